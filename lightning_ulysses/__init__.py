@@ -1,0 +1,24 @@
+"""Ulysses sequence parallelism for PyTorch Lightning + DeepSpeed.
+
+``Trainer(strategy=UlyssesDeepSpeedStrategy(sp_size=4), devices=8)``: each sequence is split over 4 devices, the
+training is the one a single device would run. Importing this package registers the strategy names
+``ulysses_deepspeed`` and ``ulysses_deepspeed_stage_{1,2,3}`` in Lightning's ``StrategyRegistry``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_ulysses.data import SequenceShardingCollate, shard_batch
+from lightning_ulysses.layout import SequenceParallelLayout
+from lightning_ulysses.loss import sequence_parallel_cross_entropy
+from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
+
+UlyssesDeepSpeedStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "SequenceParallelLayout",
+    "SequenceShardingCollate",
+    "UlyssesDeepSpeedStrategy",
+    "sequence_parallel_cross_entropy",
+    "shard_batch",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,146 @@
+"""The data path under SP: every rank of an SP group reads the same full batch, and a collate step cuts its shard.
+
+The sampler is Lightning's ``DistributedSampler`` with ``num_replicas=dp`` and ``rank=dp_rank`` (set through the
+strategy's ``distributed_sampler_kwargs``), so no collective is spent on data. :class:`SequenceShardingCollate`
+wraps the user's collate function (or PyTorch's default) and turns each full batch into this rank's shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from lightning_ulysses.loss import IGNORE_INDEX
+
+# Keys the collate step reads or writes; every other [B, S, ...] tensor is padded with 0 and sliced.
+INPUT_IDS, LABELS, SHIFT_LABELS, POSITION_IDS, ATTENTION_MASK = (
+    "input_ids",
+    "labels",
+    "shift_labels",
+    "position_ids",
+    "attention_mask",
+)
+_PAD_VALUES = {LABELS: IGNORE_INDEX, SHIFT_LABELS: IGNORE_INDEX}
+
+
+def shard_batch(
+    batch: Mapping[str, Any],
+    sp_size: int,
+    sp_rank: int,
+    pad_token_id: int = 0,
+    ignore_index: int = IGNORE_INDEX,
+) -> dict[str, Any]:
+    """Cut this SP rank's shard out of a full batch.
+
+    Steps, in order, on the full ``[B, S]`` batch:
+
+    1. ``position_ids``: kept if present, else ``0..S-1`` per row (global positions, computed before sharding).
+    2. ``shift_labels``: kept if present, else built from ``labels``: ``labels[:, 1:]`` followed by ``ignore_index``.
+       Positions whose *target* token is padding (``attention_mask == 0``) get ``ignore_index``.
+    3. ``attention_mask`` is checked (only right padding is supported: causal attention then never lets a real token
+       see a pad) and dropped.
+    4. ``S`` is padded to a multiple of ``sp_size``: ``input_ids`` with ``pad_token_id``, labels with
+       ``ignore_index``, positions continue counting, any other ``[B, S, ...]`` tensor with 0.
+    5. Every ``[B, S, ...]`` tensor is sliced to ``[:, sp_rank * s : (sp_rank + 1) * s]`` with ``s = S_padded / sp``.
+
+    Non-tensor entries and tensors of other shapes pass through unchanged.
+    """
+    if not isinstance(batch, Mapping) or INPUT_IDS not in batch:
+        raise TypeError(
+            "UlyssesDeepSpeedStrategy shards batches that are dicts with an `input_ids` tensor of shape [B, S]"
+            f" (plus optional labels, position_ids, attention_mask, ...); got {type(batch).__name__}"
+            + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
+            + ". Return a dict from your Dataset or collate_fn."
+        )
+    input_ids = batch[INPUT_IDS]
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+        raise TypeError(f"`input_ids` must be a [B, S] tensor, got {getattr(input_ids, 'shape', type(input_ids))}.")
+    B, S = input_ids.shape
+    out = dict(batch)
+
+    attention_mask = out.pop(ATTENTION_MASK, None)
+    if attention_mask is not None:
+        _check_right_padding(attention_mask)
+
+    if POSITION_IDS not in out:
+        out[POSITION_IDS] = torch.arange(S, dtype=torch.long).expand(B, S)
+    if LABELS in out and SHIFT_LABELS not in out:
+        labels = out[LABELS]
+        shift_labels = torch.full_like(labels, ignore_index)
+        shift_labels[:, :-1] = labels[:, 1:]
+        if attention_mask is not None:
+            shift_labels[:, :-1][attention_mask[:, 1:] == 0] = ignore_index
+        out[SHIFT_LABELS] = shift_labels
+
+    padded_len = -(-S // sp_size) * sp_size
+    shard_len = padded_len // sp_size
+    start = sp_rank * shard_len
+    for key, value in out.items():
+        if not (isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == (B, S)):
+            continue
+        if padded_len != S:
+            value = _pad_sequence(value, key, padded_len, pad_token_id, ignore_index)
+        out[key] = value[:, start : start + shard_len].contiguous()
+    return out
+
+
+def _pad_sequence(value: torch.Tensor, key: str, padded_len: int, pad_token_id: int, ignore_index: int) -> torch.Tensor:
+    B, S = value.shape[:2]
+    if key == POSITION_IDS:
+        extra = value[:, -1:] + torch.arange(1, padded_len - S + 1, dtype=value.dtype)
+        return torch.cat([value, extra], dim=1)
+    fill = {INPUT_IDS: pad_token_id, LABELS: ignore_index, SHIFT_LABELS: ignore_index}.get(key, 0)
+    pad = torch.full((B, padded_len - S, *value.shape[2:]), fill, dtype=value.dtype)
+    return torch.cat([value, pad], dim=1)
+
+
+def _check_right_padding(attention_mask: torch.Tensor) -> None:
+    mask = attention_mask.bool()
+    # Right padding: once a row has a 0, it has only 0s after it, i.e. the mask never rises from 0 to 1.
+    if (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise ValueError(
+            "The batch's attention_mask has padding before real tokens (left padding) or holes. Under sequence"
+            " parallelism the mask is replaced by causal attention, which is exact only for right padding:"
+            " set `tokenizer.padding_side = 'right'` (and label padded positions -100)."
+        )
+
+
+class SequenceShardingCollate:
+    """Wraps a collate function so that it returns this SP rank's shard of the batch (see :func:`shard_batch`).
+
+    Args:
+        sp_size: ranks per SP group.
+        sp_rank: this rank's position in its SP group.
+        collate_fn: the user's collate function; ``None`` means PyTorch's ``default_collate``.
+        pad_token_id: token used to pad the sequence to a multiple of ``sp_size``.
+    """
+
+    def __init__(
+        self, sp_size: int, sp_rank: int, collate_fn: Optional[Callable] = None, pad_token_id: int = 0
+    ) -> None:
+        self.sp_size = sp_size
+        self.sp_rank = sp_rank
+        self.collate_fn = collate_fn if collate_fn is not None else default_collate
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, samples: Any) -> dict[str, Any]:
+        return shard_batch(self.collate_fn(samples), self.sp_size, self.sp_rank, self.pad_token_id)
+
+
+def install_sharding_collate(dataloader: DataLoader, sp_size: int, sp_rank: int, pad_token_id: int) -> DataLoader:
+    """Make ``dataloader`` yield shards; a loader that already has the step gets it re-targeted, not stacked."""
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(
+            f"UlyssesDeepSpeedStrategy needs torch DataLoaders to install its sequence-sharding collate step,"
+            f" got {type(dataloader).__name__}."
+        )
+    user_collate = dataloader.collate_fn
+    if isinstance(user_collate, SequenceShardingCollate):
+        user_collate = user_collate.collate_fn
+    if dataloader.batch_size is None and dataloader.batch_sampler is None:
+        # Automatic batching is off: PyTorch calls collate_fn per sample, which cannot be sharded.
+        raise ValueError("UlyssesDeepSpeedStrategy needs batched DataLoaders (batch_size or batch_sampler set).")
+    dataloader.collate_fn = SequenceShardingCollate(sp_size, sp_rank, user_collate, pad_token_id)
+    return dataloader

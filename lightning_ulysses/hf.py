@@ -1,0 +1,218 @@
+"""Ulysses attention and the SP loss for Hugging Face ``PreTrainedModel``s, installed and removed per model.
+
+Nothing process-global is replaced: the Ulysses attention functions are *added* to transformers'
+``AttentionInterface`` under their own names (``ulysses_sdpa``, ...). Preparing a model points its config at those
+names, gives its modules the SP group, installs the SP loss and turns the KV cache off; :func:`restore_model` undoes
+all of it, so a model is plain again after ``trainer.fit`` and two Trainers can follow each other in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ulysses.exchange import head_to_sequence_shards, sequence_to_head_shards
+from lightning_ulysses.loss import SequenceParallelLossFunction
+
+SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+_PREFIX = "ulysses_"
+_CONTEXT_ATTR = "_ulysses_sp_group"
+# Keyword arguments that describe the *local* shard's positions; the attention over the full sequence must not see them.
+_LOCAL_POSITION_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _pretrained_model_class() -> type:
+    from transformers import PreTrainedModel
+
+    return PreTrainedModel
+
+
+def find_pretrained_models(root: nn.Module) -> list[nn.Module]:
+    """The outermost Hugging Face ``PreTrainedModel``s inside ``root`` (``root`` itself included)."""
+    pretrained = _pretrained_model_class()
+    found: list[nn.Module] = []
+    covered: set[int] = set()
+    for module in root.modules():
+        if id(module) in covered or not isinstance(module, pretrained):
+            continue
+        found.append(module)
+        covered.update(id(m) for m in module.modules())
+    return found
+
+
+def _configs(model: nn.Module) -> Iterator[Any]:
+    config = model.config
+    yield config
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            yield sub
+
+
+def validate_model(model: nn.Module, sp_size: int, device_type: str) -> None:
+    """Raise a ``ValueError`` (before any compute) if ``model`` cannot run Ulysses attention at ``sp_size``."""
+    name = type(model).__name__
+    impl = model.config._attn_implementation
+    if impl is not None and impl.startswith(_PREFIX):
+        impl = impl[len(_PREFIX) :]
+    if impl not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"{name} uses attn_implementation={impl!r}, which UlyssesDeepSpeedStrategy cannot shard."
+            f" Build the model with one of {list(SUPPORTED_ATTENTION)}, e.g."
+            " `AutoModelForCausalLM.from_config(config, attn_implementation='sdpa')` or"
+            " `model.set_attn_implementation('sdpa')`."
+        )
+    if impl == "flex_attention" and device_type == "cpu":
+        raise ValueError(
+            f"{name} uses attn_implementation='flex_attention', which has no backward pass on CPU in this PyTorch."
+            " Use attn_implementation='sdpa' on CPU (flex_attention works on CUDA)."
+        )
+    for config in _configs(model):
+        heads = getattr(config, "num_attention_heads", None)
+        if heads is None:
+            continue
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % sp_size != 0:
+            raise ValueError(
+                f"{name} has num_attention_heads={heads}, not divisible by sp_size={sp_size}: each SP rank must get"
+                f" the same number of heads. Choose sp_size from {_divisors(heads)}."
+            )
+        if kv_heads % sp_size != 0 and sp_size % kv_heads != 0:
+            raise ValueError(
+                f"{name} has num_key_value_heads={kv_heads}, which sp_size={sp_size} neither divides nor is a"
+                f" multiple of (KV heads can be split or replicated, not both). Choose sp_size from"
+                f" {sorted(set(_divisors(kv_heads)) | {m for m in _divisors(heads) if m % kv_heads == 0})}."
+            )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class _SavedModelState:
+    attn_implementation: Any
+    use_cache: Any
+    had_loss_function: bool
+    loss_function: Any
+    marked_modules: list[nn.Module] = field(default_factory=list)
+
+
+_SAVED = "_ulysses_saved_state"
+
+
+def prepare_model(model: nn.Module, group: dist.ProcessGroup, grad_scale: float) -> None:
+    """Point ``model`` at Ulysses attention over ``group`` and at the SP loss. Idempotent; see :func:`restore_model`."""
+    saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED)
+    if saved is None:
+        config = model.config
+        saved = _SavedModelState(
+            attn_implementation=config._attn_implementation,
+            use_cache=getattr(config, "use_cache", None),
+            had_loss_function="_loss_function" in model.__dict__,
+            loss_function=model.__dict__.get("_loss_function"),
+        )
+        impl = config._attn_implementation
+        if not impl.startswith(_PREFIX):
+            config._attn_implementation = _PREFIX + impl  # also sets the sub-configs
+        if saved.use_cache is not None:
+            config.use_cache = False  # a KV cache of one shard is useless and would size masks wrongly
+        model.__dict__[_SAVED] = saved
+    # Every module that dispatches attention holds a config; give each the SP group to exchange over.
+    saved.marked_modules = [m for m in model.modules() if hasattr(m, "config")]
+    for module in saved.marked_modules:
+        module.__dict__[_CONTEXT_ATTR] = group
+    model.loss_function = SequenceParallelLossFunction(group, grad_scale)
+
+
+def restore_model(model: nn.Module) -> None:
+    """Undo :func:`prepare_model`: the model's attention, cache setting and loss are what they were before."""
+    saved: Optional[_SavedModelState] = model.__dict__.pop(_SAVED, None)
+    if saved is None:
+        return
+    model.config._attn_implementation = saved.attn_implementation
+    if saved.use_cache is not None:
+        model.config.use_cache = saved.use_cache
+    for module in saved.marked_modules:
+        module.__dict__.pop(_CONTEXT_ATTR, None)
+    if saved.had_loss_function:
+        model.__dict__["_loss_function"] = saved.loss_function
+    else:
+        model.__dict__.pop("_loss_function", None)
+
+
+def is_prepared(model: nn.Module) -> bool:
+    return _SAVED in model.__dict__
+
+
+class _LocalHeadsView:
+    """The attention module as the inner attention function must see it after the exchange: same attributes, but
+    ``num_key_value_groups`` counts the heads this rank holds (it differs when KV heads were replicated)."""
+
+    def __init__(self, module: nn.Module, num_key_value_groups: int) -> None:
+        self._module = module
+        self.num_key_value_groups = num_key_value_groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+_causal_block_masks: dict[tuple[int, str], Any] = {}
+
+
+def _causal_block_mask(seq_len: int, device: torch.device) -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (seq_len, str(device))
+    if key not in _causal_block_masks:
+        _causal_block_masks.clear()  # keep one: lengths change between batches
+        _causal_block_masks[key] = create_block_mask(
+            lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq_len, seq_len, device=device
+        )
+    return _causal_block_masks[key]
+
+
+def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor, None]]:
+    def ulysses_attention_forward(
+        module: nn.Module,
+        query: torch.Tensor,  # [B, Hq, s, D]
+        key: torch.Tensor,  # [B, Hkv, s, D]
+        value: torch.Tensor,  # [B, Hkv, s, D]
+        attention_mask: Optional[torch.Tensor],
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        group = module.__dict__.get(_CONTEXT_ATTR)
+        if group is None:
+            raise RuntimeError(
+                f"{type(module).__name__} runs Ulysses attention but was not prepared by UlyssesDeepSpeedStrategy"
+                f" (config._attn_implementation={module.config._attn_implementation!r})."
+            )
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
+        inner_attention = ALL_ATTENTION_FUNCTIONS[inner_name]
+        for name in _LOCAL_POSITION_KWARGS:
+            kwargs.pop(name, None)
+        # The causal structure of the *full* sequence: sdpa/flash use is_causal; flex needs a block mask.
+        full_mask = _causal_block_mask(q.shape[2], q.device) if inner_name == "flex_attention" else None
+        out, _ = inner_attention(
+            _LocalHeadsView(module, q.shape[1] // k.shape[1]), q, k, v, full_mask, **kwargs
+        )  # [B, S, hq, D]
+        return head_to_sequence_shards(out, group), None  # [B, s, Hq, D]
+
+    ulysses_attention_forward.__name__ = f"ulysses_{inner_name}_forward"
+    return ulysses_attention_forward
+
+
+def register_attention_functions() -> None:
+    """Add ``ulysses_<impl>`` for every supported ``<impl>`` to transformers' attention registry (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for inner_name in SUPPORTED_ATTENTION:
+        if _PREFIX + inner_name not in ALL_ATTENTION_FUNCTIONS:
+            AttentionInterface.register(_PREFIX + inner_name, _make_ulysses_attention(inner_name))

@@ -1,0 +1,123 @@
+"""The DP×SP layout of the world: one object owns the device mesh, the groups and the ranks; everything else asks it.
+
+Ranks are laid out with SP innermost: global rank ``r`` sits at ``(dp_rank, sp_rank) = divmod(r, sp_size)``, so the
+ranks ``[k * sp_size, (k + 1) * sp_size)`` form one SP group. With the usual one-process-per-device launch, local ranks
+of a node are consecutive global ranks, so an SP group stays inside a node whenever ``sp_size`` divides the number of
+devices per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DP_DIM = "dp"
+SP_DIM = "sp"
+
+
+def validate_sp_size(sp_size: int, world_size: int) -> None:
+    """Raise a ``ValueError`` naming what to change if ``sp_size`` cannot split ``world_size`` processes."""
+    if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
+        raise ValueError(f"`sp_size` must be a positive integer, got {sp_size!r}.")
+    if sp_size > world_size:
+        raise ValueError(
+            f"`sp_size={sp_size}` is larger than the world size ({world_size} processes = num_nodes × devices)."
+            f" Lower `sp_size` to at most {world_size}, or launch more devices."
+        )
+    if world_size % sp_size != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"The world size ({world_size} processes) is not divisible by `sp_size={sp_size}`:"
+            f" every data-parallel replica needs a full SP group. Choose `sp_size` from {divisors},"
+            f" or change the number of devices to a multiple of {sp_size}."
+        )
+
+
+@dataclass(frozen=True)
+class SequenceParallelLayout:
+    """The data-parallel × sequence-parallel split of the world, built once the process group exists.
+
+    Attributes:
+        mesh: 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` with dims ``("dp", "sp")``, SP innermost.
+        sp_size: Number of ranks that share one sequence.
+        dp_size: Number of data-parallel replicas (``world_size // sp_size``).
+        sp_rank: This rank's position inside its SP group (which sequence shard it holds).
+        dp_rank: Index of this rank's SP group (which samples it reads).
+    """
+
+    mesh: DeviceMesh
+    sp_size: int
+    dp_size: int
+    sp_rank: int
+    dp_rank: int
+
+    @classmethod
+    def build(cls, device_type: str, sp_size: int) -> "SequenceParallelLayout":
+        """Create the mesh on every rank (a collective: all ranks must call it)."""
+        world_size = dist.get_world_size()
+        validate_sp_size(sp_size, world_size)
+        dp_size = world_size // sp_size
+        mesh = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=(DP_DIM, SP_DIM))
+        dp_rank, sp_rank = divmod(dist.get_rank(), sp_size)
+        assert mesh.get_local_rank(SP_DIM) == sp_rank and mesh.get_local_rank(DP_DIM) == dp_rank
+        return cls(mesh=mesh, sp_size=sp_size, dp_size=dp_size, sp_rank=sp_rank, dp_rank=dp_rank)
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup:
+        """The ranks that hold the shards of the same sequences (all-to-all around attention, loss sums)."""
+        return self.mesh.get_group(SP_DIM)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The ranks with the same ``sp_rank`` across replicas (read different samples)."""
+        return self.mesh.get_group(DP_DIM)
+
+    def sp_group_ranks(self) -> list[int]:
+        """Global ranks of this rank's SP group, in sequence-shard order."""
+        start = self.dp_rank * self.sp_size
+        return list(range(start, start + self.sp_size))
+
+    def deepspeed_mpu(self) -> "DeepSpeedSequenceParallelGroups":
+        """The ``mpu`` object to hand to ``deepspeed.initialize``."""
+        return DeepSpeedSequenceParallelGroups(self)
+
+
+class DeepSpeedSequenceParallelGroups:
+    """The ``mpu`` interface DeepSpeed expects for Ulysses SP, backed by a :class:`SequenceParallelLayout`.
+
+    It mirrors ``deepspeed.runtime.sequence_parallel.parallel_state_sp`` (which owns process-global groups that can be
+    created only once per process). DeepSpeed recognises an SP-only ``mpu`` by its ``initialize_sequence_parallel``
+    attribute; with it:
+
+    * ``DeepSpeedConfig`` uses ``world_size / sp_size`` = dp for the batch arithmetic
+      (``train_batch_size = micro_batch × accumulation × dp``);
+    * ZeRO partitions and reduces gradients over the sequence-data-parallel group, which is every rank (DP×SP), so the
+      SP peers' partial gradients are summed and the replicas averaged.
+    """
+
+    def __init__(self, layout: SequenceParallelLayout) -> None:
+        self._layout = layout
+
+    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:  # marker read by DeepSpeed
+        raise RuntimeError("The groups are owned by UlyssesDeepSpeedStrategy's layout; they are never re-created.")
+
+    def get_sequence_parallel_group(self) -> dist.ProcessGroup:
+        return self._layout.sp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self._layout.sp_size
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self._layout.sp_rank
+
+    def get_sequence_data_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return dist.group.WORLD
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return dist.get_world_size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return dist.get_rank()

@@ -1,0 +1,258 @@
+"""``UlyssesDeepSpeedStrategy``: Lightning's DeepSpeed strategy plus Ulysses sequence parallelism. Glue only: the
+layout, the attention exchange, the data path and the loss live in their own modules."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional, Union
+
+import torch
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn import Module
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from typing_extensions import override
+
+from lightning_ulysses import hf
+from lightning_ulysses.data import install_sharding_collate
+from lightning_ulysses.layout import SequenceParallelLayout, validate_sp_size
+from lightning_ulysses.loss import sequence_parallel_cross_entropy, zero_gradient_scale
+
+
+class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
+    """DeepSpeed ZeRO training with Ulysses sequence parallelism (DeepSpeed Ulysses / ALST) for long sequences.
+
+    Each sequence is split across ``sp_size`` ranks: every rank holds ``S / sp_size`` tokens with all heads, and
+    around attention an all-to-all swaps to all ``S`` tokens with ``heads / sp_size`` heads, attention runs locally,
+    and a second all-to-all swaps back. Activation memory per rank falls by ``sp_size``; the training is numerically
+    the one a single device would run (same losses, same gradients, at every ZeRO stage).
+
+    What the strategy does, with no change to the LightningModule:
+
+    * builds a DP×SP :class:`~torch.distributed.device_mesh.DeviceMesh` (dims ``("dp", "sp")``, SP innermost so an
+      SP group stays inside a node), reachable as ``strategy.device_mesh`` and ``LightningModule.device_mesh``;
+    * hands DeepSpeed the SP groups, so ZeRO's batch arithmetic uses dp while gradients reduce over all ranks;
+    * switches every Hugging Face ``PreTrainedModel`` in the LightningModule to Ulysses attention (``sdpa``,
+      ``flash_attention_2/3`` or ``flex_attention``) and to a loss whose value is the full-sequence loss;
+    * gives the train/val/test/predict samplers ``num_replicas=dp`` and wraps each DataLoader's collate function
+      so that every rank receives its sequence shard (see :func:`lightning_ulysses.data.shard_batch`).
+
+    Runs on CUDA (nccl) and on CPU (gloo, DeepSpeed's CPU accelerator).
+
+    Args:
+        sp_size: Ranks per sequence-parallel group. Must divide the world size (``num_nodes × devices``), the number
+            of attention heads, and divide or be a multiple of the number of KV heads. ``None``: the number of
+            devices per node (SP inside each node, DP across nodes).
+        **kwargs: Every argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` (``stage``,
+            ``offload_optimizer``, ``config``, ...).
+    """
+
+    strategy_name = "ulysses_deepspeed"
+
+    def __init__(self, sp_size: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if sp_size is not None:
+            validate_sp_size(sp_size, sp_size)  # type and sign; the world size is checked once it is known
+        self._requested_sp_size = sp_size
+        self._layout: Optional[SequenceParallelLayout] = None
+        self._prepared_models: list[Module] = []
+
+    # ----------------------------------------------------------------------------------------------- layout
+    @property
+    def sp_size(self) -> int:
+        """Ranks per SP group (resolved from the devices per node if ``sp_size=None`` was given)."""
+        if self._requested_sp_size is not None:
+            return self._requested_sp_size
+        return self.num_processes
+
+    @property
+    def layout(self) -> SequenceParallelLayout:
+        """The DP×SP layout (mesh, groups, ranks); exists once the process group is set up."""
+        if self._layout is None:
+            raise RuntimeError("The sequence-parallel layout exists only after the Trainer has set up the processes.")
+        return self._layout
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``("dp", "sp")`` device mesh."""
+        return self.layout.mesh
+
+    @property
+    def sp_group(self) -> torch.distributed.ProcessGroup:
+        return self.layout.sp_group
+
+    @property
+    def sp_rank(self) -> int:
+        return self.layout.sp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
+
+    @override
+    def setup_environment(self) -> None:
+        validate_sp_size(self.sp_size, self.num_nodes * self.num_processes)
+        if isinstance(self.accelerator, CPUAccelerator):
+            _use_deepspeed_cpu_accelerator()
+        # Lightning's DeepSpeedStrategy refuses anything but CUDA; the DDP setup underneath works for CPU/gloo too.
+        DDPStrategy.setup_environment(self)
+        if self._layout is None:
+            self._layout = SequenceParallelLayout.build(self.root_device.type, self.sp_size)
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self._layout.mesh
+
+    @override
+    def setup_distributed(self) -> None:
+        if isinstance(self.accelerator, CPUAccelerator):
+            # CPU devices carry no index, so the parent's CUDA device-index check does not apply.
+            from lightning.fabric.utilities.seed import reset_seed
+
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+            return
+        super().setup_distributed()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # All ranks of an SP group read the same samples: the sampler is split over the dp replicas only.
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    # ----------------------------------------------------------------------------------------------- model
+    @override
+    def init_deepspeed(self) -> None:
+        self._prepare_models()
+        super().init_deepspeed()
+
+    def _prepare_models(self) -> None:
+        """Validate and switch every HF model to Ulysses attention + SP loss (before any compute)."""
+        assert self.lightning_module is not None and isinstance(self.config, dict)
+        models = hf.find_pretrained_models(self.lightning_module)
+        if not models:
+            rank_zero_warn(
+                "UlyssesDeepSpeedStrategy found no Hugging Face PreTrainedModel in the LightningModule: no attention"
+                " was switched to Ulysses, so each rank attends only within its sequence shard."
+            )
+        for model in models:
+            hf.validate_model(model, self.sp_size, self.root_device.type)
+        hf.register_attention_functions()
+        for model in models:
+            hf.prepare_model(model, self.sp_group, self.gradient_scale)
+        self._prepared_models = models
+
+    @property
+    def gradient_scale(self) -> float:
+        """Factor on each rank's local loss share that makes DeepSpeed's gradient reduction exact for this config."""
+        assert isinstance(self.config, dict)
+        return zero_gradient_scale(self.config, self.sp_size)
+
+    def cross_entropy(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+        """Full-sequence mean cross-entropy from this rank's ``[B, s, V]`` logits and ``[B, s]`` ``shift_labels``,
+        for a ``training_step`` that computes its own loss. Same value on every SP rank, exact gradients."""
+        return sequence_parallel_cross_entropy(logits, shift_labels, self.sp_group, self.gradient_scale)
+
+    @override
+    def _setup_model_and_optimizer(
+        self,
+        model: Module,
+        optimizer: Optional[Optimizer],
+        lr_scheduler: Optional[Union[LRScheduler, ReduceLROnPlateau]] = None,
+    ) -> tuple[Any, Optimizer]:
+        import deepspeed
+
+        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=self._deepspeed_args(),
+            config=self.config,
+            model=model,
+            model_parameters=model_parameters,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+            mpu=self.layout.deepspeed_mpu(),
+        )
+        return engine, deepspeed_optimizer
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        import deepspeed
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        assert isinstance(self.config, dict)
+        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        for key in ("fp16", "bf16"):
+            if key in self.config:
+                inference_config[key] = self.config[key]
+        if self.zero_stage_3:
+            inference_config["zero_allow_untested_optimizer"] = self.config["zero_allow_untested_optimizer"]
+            inference_config["zero_optimization"] = self.config["zero_optimization"]
+        remove_module_hooks(model)
+        self.model, _, _, _ = deepspeed.initialize(
+            args=self._deepspeed_args(),
+            config=inference_config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+            mpu=self.layout.deepspeed_mpu(),
+        )
+
+    def _deepspeed_args(self) -> argparse.Namespace:
+        # Lightning passes root_device.index, which is None on CPU and breaks DeepSpeed's rank arithmetic.
+        index = self.root_device.index
+        return argparse.Namespace(device_rank=self.local_rank if index is None else index)
+
+    # ----------------------------------------------------------------------------------------------- data
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        return install_sharding_collate(dataloader, self.sp_size, self.sp_rank, self._pad_token_id())
+
+    def _pad_token_id(self) -> int:
+        for model in self._prepared_models:
+            pad = getattr(model.config, "pad_token_id", None)
+            if pad is not None:
+                return int(pad)
+        return 0
+
+    # ----------------------------------------------------------------------------------------------- lifecycle
+    @override
+    def teardown(self) -> None:
+        for model in self._prepared_models:
+            hf.restore_model(model)
+        self._prepared_models = []
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        names = {
+            "ulysses_deepspeed": ("Ulysses sequence parallelism + DeepSpeed (ZeRO stage 2)", {}),
+            "ulysses_deepspeed_stage_1": ("Ulysses sequence parallelism + DeepSpeed ZeRO stage 1", {"stage": 1}),
+            "ulysses_deepspeed_stage_2": ("Ulysses sequence parallelism + DeepSpeed ZeRO stage 2", {"stage": 2}),
+            "ulysses_deepspeed_stage_3": ("Ulysses sequence parallelism + DeepSpeed ZeRO stage 3", {"stage": 3}),
+        }
+        for name, (description, init_params) in names.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **init_params)
+
+
+def _use_deepspeed_cpu_accelerator() -> None:
+    """Make DeepSpeed run on CPU when Lightning does, even on a machine whose CUDA DeepSpeed would pick."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())

@@ -1,0 +1,112 @@
+"""Tiny models and data shared by the scenarios (run in worker processes) and the single-device references."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader, Dataset
+
+VOCAB = 128
+SEED = 1234
+
+
+def tiny_llama_config(num_kv_heads: int = 4, num_heads: int = 4, attn: str = "sdpa", layers: int = 2):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16 * num_heads,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        attn_implementation=attn,
+        pad_token_id=0,
+    )
+
+
+def build_llama(config, init_seed: int = 0):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(init_seed)
+    return LlamaForCausalLM(config)
+
+
+class TokenDataset(Dataset):
+    """Random token rows, the same on every process (seeded); labels = input_ids (HF shifts them)."""
+
+    def __init__(self, num_rows: int, seq_len: int, seed: int = 7) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.rows = torch.randint(1, VOCAB, (num_rows, seq_len), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i].clone()}
+
+
+class CausalLM(LightningModule):
+    """The LightningModule a user writes, unchanged for sequence parallelism."""
+
+    def __init__(self, config, lr: float = 0.5, init_seed: int = 0, dataset: Optional[Dataset] = None,
+                 batch_size: int = 1) -> None:
+        super().__init__()
+        self.model = build_llama(config, init_seed)
+        self.lr = lr
+        self.dataset = dataset
+        self.batch_size = batch_size
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size)
+
+
+def lightning_order(num_rows: int, seed: int = SEED) -> list[int]:
+    """The sample order Lightning's injected DistributedSampler (shuffle=True, seed=global seed) gives in epoch 0."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(num_rows, generator=g).tolist()
+
+
+def train_single_device(config, dataset: TokenDataset, global_batch: int, steps: int, lr: float = 0.5,
+                        init_seed: int = 0) -> dict[str, Any]:
+    """The reference: plain PyTorch + transformers on one process, SGD, the same sample order as Lightning."""
+    model = build_llama(config, init_seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    order = lightning_order(len(dataset))
+    losses = []
+    for step in range(steps):
+        rows = [dataset[i] for i in order[step * global_batch:(step + 1) * global_batch]]
+        batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()}}

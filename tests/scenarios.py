@@ -1,0 +1,125 @@
+"""Scenarios run inside the worker processes started by ``tests/launcher.py`` (``python -m tests.scenarios NAME``).
+
+Each scenario builds Trainers exactly as a user would (``Trainer(strategy=UlyssesDeepSpeedStrategy(...))``, the
+world taken from the torchrun-style environment) and returns plain data for the test process to compare.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+import lightning_ulysses  # noqa: F401  (registers the strategy names)
+from lightning_ulysses import UlyssesDeepSpeedStrategy
+from tests.models import SEED, CausalLM, TokenDataset, tiny_llama_config
+
+
+class Recorder(Callback):
+    """Per-step losses and input shapes as each rank saw them, and the trained weights (gathered under ZeRO-3)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.input_shapes: list[tuple[int, ...]] = []
+        self.weights: dict[str, torch.Tensor] = {}
+        self.train_batch_size: int = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.input_shapes.append(tuple(batch["input_ids"].shape))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(outputs["loss"].item())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import deepspeed
+
+        self.train_batch_size = trainer.strategy.deepspeed_engine.train_batch_size()
+
+        params = dict(pl_module.model.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None,
+                                               enabled=trainer.strategy.zero_stage_3):
+            self.weights = {k: v.detach().clone() for k, v in params.items()}
+
+
+class AttentionShapeSpy:
+    """Records the query shape every call to torch's SDPA sees (the real function still runs)."""
+
+    def __init__(self) -> None:
+        self.shapes: set[tuple[int, ...]] = set()
+        self._original = F.scaled_dot_product_attention
+
+    def __enter__(self) -> "AttentionShapeSpy":
+        def spy(query, *args, **kwargs):
+            self.shapes.add(tuple(query.shape))
+            return self._original(query, *args, **kwargs)
+
+        F.scaled_dot_product_attention = spy
+        return self
+
+    def __exit__(self, *exc) -> None:
+        F.scaled_dot_product_attention = self._original
+
+
+def make_trainer(strategy, max_steps: int, callbacks=(), **kwargs) -> Trainer:
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
+    import os
+
+    defaults = dict(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]) if world is None else world,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    )
+    defaults.update(kwargs)
+    return Trainer(**defaults)
+
+
+def parity(payload: dict) -> dict:
+    """Several SGD fits, each described by a dict: stage, kv_heads, batch_size, steps, seq_len, sp_size."""
+    results = []
+    for run in payload["runs"]:
+        seed_everything(SEED, verbose=False)
+        config = tiny_llama_config(num_kv_heads=run["kv_heads"])
+        dataset = TokenDataset(run["num_rows"], run["seq_len"])
+        module = CausalLM(config, lr=run["lr"], dataset=dataset, batch_size=run["batch_size"])
+        recorder = Recorder()
+        strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"])
+        trainer = make_trainer(strategy, run["steps"], callbacks=[recorder])
+        with AttentionShapeSpy() as spy:
+            trainer.fit(module)
+        results.append({
+            "losses": recorder.losses,
+            "logged_loss": trainer.callback_metrics["train_loss"].item(),
+            "input_shapes": recorder.input_shapes,
+            "attention_query_shapes": sorted(spy.shapes),
+            "weights": recorder.weights if torch.distributed.get_rank() == 0 else None,
+            "mesh": {"sp_rank": strategy.sp_rank, "dp_rank": strategy.dp_rank, "dp_size": strategy.dp_size,
+                     "sp_group": strategy.layout.sp_group_ranks(),
+                     "dim_names": strategy.device_mesh.mesh_dim_names,
+                     "module_mesh_is_strategy_mesh": module.device_mesh is strategy.device_mesh},
+            "train_batch_size": recorder.train_batch_size,
+        })
+    return {"runs": results}
+
+
+def main() -> None:
+    name, payload_path, out_path = sys.argv[1:4]
+    payload = pickle.loads(open(payload_path, "rb").read())
+    result = globals()[name](payload)
+    with open(out_path, "wb") as f:
+        pickle.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
