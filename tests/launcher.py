@@ -30,7 +30,9 @@ def launch(
     extra_env: Optional[dict[str, str]] = None,
     per_rank_env: Optional[list[dict[str, str]]] = None,
 ) -> list[Any]:
-    """Run ``tests/scenarios.py::<scenario>(payload)`` on ``num_procs`` processes; return the results by rank.
+    """Run ``<scenario>(payload)`` on ``num_procs`` processes; return the results by rank.
+
+    ``scenario`` is a function name in ``tests/scenarios.py`` or ``"package.module:function"``.
 
     Raises ``RuntimeError`` with each failed rank's output if any rank fails or the launch times out.
     """

@@ -116,7 +116,14 @@ def parity(payload: dict) -> dict:
 def main() -> None:
     name, payload_path, out_path = sys.argv[1:4]
     payload = pickle.loads(open(payload_path, "rb").read())
-    result = globals()[name](payload)
+    if ":" in name:
+        import importlib
+
+        module_name, function_name = name.split(":")
+        scenario = getattr(importlib.import_module(module_name), function_name)
+    else:
+        scenario = globals()[name]
+    result = scenario(payload)
     with open(out_path, "wb") as f:
         pickle.dump(result, f)
 
