@@ -113,6 +113,90 @@ def parity(payload: dict) -> dict:
     return {"runs": results}
 
 
+
+
+class CountingCausalLM(CausalLM):
+    """Counts the collectives of the first step: forward inside training_step, backward around engine.backward."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.forward_counts: dict[str, int] = {}
+        self.backward_counts: dict[str, int] = {}
+        self._backward_mode = None
+
+    def training_step(self, batch, batch_idx):
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        if batch_idx > 0:
+            return super().training_step(batch, batch_idx)
+        with CommDebugMode() as comm:
+            loss = self.model(**batch).loss
+        self.forward_counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+        return loss
+
+    def on_before_backward(self, loss):
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        if not self.backward_counts and self._backward_mode is None:
+            self._backward_mode = CommDebugMode()
+            self._backward_mode.__enter__()
+
+    def on_after_backward(self):
+        if self._backward_mode is not None:
+            self._backward_mode.__exit__(None, None, None)
+            self.backward_counts = {str(op).split(".")[-1]: n
+                                    for op, n in self._backward_mode.get_comm_counts().items()}
+            self._backward_mode = None
+
+
+def collectives(payload: dict) -> dict:
+    """Collectives of one training step's forward and backward, per number of layers."""
+    out = {}
+    for layers in payload["layers"]:
+        seed_everything(SEED, verbose=False)
+        config = tiny_llama_config(num_kv_heads=payload["kv_heads"], layers=layers)
+        module = CountingCausalLM(config, dataset=TokenDataset(2, 32))
+        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=payload["stage"]), max_steps=1)
+        trainer.fit(module)
+        out[layers] = {"forward": module.forward_counts, "backward": module.backward_counts}
+    return out
+
+
+def lifecycle(payload: dict) -> dict:
+    """fit (epoch with a smaller last batch) → validate → test → a second Trainer's fit, in one process."""
+    from transformers import PreTrainedModel
+
+    stage = payload["stage"]
+    seed_everything(SEED, verbose=False)
+    config = tiny_llama_config(num_kv_heads=2)
+    dataset = TokenDataset(payload["num_rows"], payload["seq_len"])
+    module = CausalLM(config, lr=0.5, dataset=dataset, batch_size=payload["batch_size"])
+    recorder = Recorder()
+    trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=stage), max_steps=-1, max_epochs=1,
+                           callbacks=[recorder], limit_val_batches=1.0)
+    trainer.fit(module)
+    restored = {
+        "attn_implementation": module.model.config._attn_implementation,
+        "has_sp_loss": "_loss_function" in module.model.__dict__,
+        "use_cache": module.model.config.use_cache,
+    }
+    val = trainer.validate(module, verbose=False)[0]["val_loss"]
+    test = trainer.test(module, verbose=False)[0]["test_loss"]
+    second_recorder = Recorder()
+    second = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=stage), max_steps=2, callbacks=[second_recorder])
+    second.fit(module)
+    return {
+        "losses": recorder.losses,
+        "input_shapes": recorder.input_shapes,
+        "weights_after_first_fit": recorder.weights if torch.distributed.get_rank() == 0 else None,
+        "restored": restored,
+        "val_loss": float(val),
+        "test_loss": float(test),
+        "second_fit_losses": second_recorder.losses,
+        "is_pretrained": isinstance(module.model, PreTrainedModel),
+    }
+
+
 def main() -> None:
     name, payload_path, out_path = sys.argv[1:4]
     payload = pickle.loads(open(payload_path, "rb").read())

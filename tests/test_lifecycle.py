@@ -1,0 +1,56 @@
+"""No state leaks out of the strategy: an epoch with a smaller last batch, then validate, test and a second Trainer's
+fit in the same process, at ZeRO 2 and 3; the model is a plain Hugging Face model again between runs."""
+
+import pytest
+import torch
+
+from tests.launcher import launch
+from tests.models import TokenDataset, build_llama, tiny_llama_config, train_single_device
+
+NUM_ROWS, SEQ_LEN, BATCH = 5, 32, 2  # batches of 2, 2 and 1 rows
+STEPS = 3
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def lifecycle(request):
+    return launch(2, "lifecycle", {"stage": request.param, "num_rows": NUM_ROWS, "seq_len": SEQ_LEN,
+                                   "batch_size": BATCH})
+
+
+@pytest.fixture(scope="module")
+def reference():
+    config = tiny_llama_config(num_kv_heads=2)
+    dataset = TokenDataset(NUM_ROWS, SEQ_LEN)
+    trained = train_single_device(config, dataset, BATCH, STEPS)
+    model = build_llama(config)
+    model.load_state_dict(trained["weights"], strict=False)
+    # Lightning's epoch-level value of a logged loss: mean of the batch losses weighted by batch size.
+    with torch.no_grad():
+        batches = [dataset.rows[i:i + BATCH] for i in range(0, NUM_ROWS, BATCH)]
+        losses = [model(input_ids=b, labels=b).loss.item() for b in batches]
+    val = sum(l * len(b) for l, b in zip(losses, batches)) / NUM_ROWS
+    return {"losses": trained["losses"], "val_loss": val}
+
+
+def test_epoch_with_smaller_last_batch_matches_single_device(lifecycle, reference):
+    for rank in lifecycle:
+        assert rank["input_shapes"] == [(2, SEQ_LEN // 2), (2, SEQ_LEN // 2), (1, SEQ_LEN // 2)]
+        assert rank["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+
+
+def test_validate_and_test_after_fit_give_the_single_device_loss(lifecycle, reference):
+    for rank in lifecycle:
+        assert rank["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+        assert rank["test_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+
+
+def test_model_is_plain_again_after_fit(lifecycle):
+    for rank in lifecycle:
+        assert rank["restored"] == {"attn_implementation": "sdpa", "has_sp_loss": False, "use_cache": True}
+
+
+def test_second_trainer_trains_in_the_same_process(lifecycle):
+    for rank in lifecycle:
+        assert len(rank["second_fit_losses"]) == 2
+        assert all(torch.isfinite(torch.tensor(rank["second_fit_losses"])))
+    assert lifecycle[0]["second_fit_losses"] == lifecycle[1]["second_fit_losses"]
