@@ -36,7 +36,8 @@ def shard_batch(
 
     Steps, in order, on the full ``[B, S]`` batch:
 
-    1. ``position_ids``: kept if present, else ``0..S-1`` per row (global positions, computed before sharding).
+    1. ``position_ids``: kept if present (a ``[1, S]`` row is broadcast to ``[B, S]``), else ``0..S-1`` per row
+       (global positions, computed before sharding).
     2. ``shift_labels``: kept if present, else built from ``labels``: ``labels[:, 1:]`` followed by ``ignore_index``.
        Positions whose *target* token is padding (``attention_mask == 0``) get ``ignore_index``.
     3. ``attention_mask`` is checked (only right padding is supported: causal attention then never lets a real token
@@ -66,6 +67,8 @@ def shard_batch(
 
     if POSITION_IDS not in out:
         out[POSITION_IDS] = torch.arange(S, dtype=torch.long).expand(B, S)
+    elif isinstance(out[POSITION_IDS], torch.Tensor) and tuple(out[POSITION_IDS].shape) == (1, S):
+        out[POSITION_IDS] = out[POSITION_IDS].expand(B, S)  # Hugging Face's broadcast form: one row for all
     if LABELS in out and SHIFT_LABELS not in out:
         labels = out[LABELS]
         shift_labels = torch.full_like(labels, ignore_index)

@@ -38,15 +38,18 @@ def build_llama(config, init_seed: int = 0):
 class TokenDataset(Dataset):
     """Random token rows, the same on every process (seeded); labels = input_ids (HF shifts them)."""
 
-    def __init__(self, num_rows: int, seq_len: int, seed: int = 7) -> None:
+    def __init__(self, num_rows: int, seq_len: int, seed: int = 7, ignore_after: Optional[int] = None) -> None:
         g = torch.Generator().manual_seed(seed)
         self.rows = torch.randint(1, VOCAB, (num_rows, seq_len), generator=g)
+        self.labels = self.rows.clone()
+        if ignore_after is not None:  # e.g. a prompt-only tail: no targets past this position
+            self.labels[:, ignore_after:] = -100
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[i], "labels": self.rows[i].clone()}
+        return {"input_ids": self.rows[i], "labels": self.labels[i]}
 
 
 class CausalLM(LightningModule):
@@ -110,3 +113,14 @@ def train_single_device(config, dataset: TokenDataset, global_batch: int, steps:
         optimizer.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()}}
+
+
+class OwnLossCausalLM(CausalLM):
+    """A user who computes the loss from logits, with the strategy's documented helper."""
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        logits = self.model(**inputs).logits
+        loss = self.trainer.strategy.cross_entropy(logits, batch["shift_labels"])
+        self.log("train_loss", loss, sync_dist=True)
+        return loss

@@ -6,6 +6,7 @@ world taken from the torchrun-style environment) and returns plain data for the 
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from typing import Any
@@ -16,7 +17,11 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 import lightning_ulysses  # noqa: F401  (registers the strategy names)
 from lightning_ulysses import UlyssesDeepSpeedStrategy
-from tests.models import SEED, CausalLM, TokenDataset, tiny_llama_config
+from tests.models import SEED, CausalLM, OwnLossCausalLM, TokenDataset, tiny_llama_config
+
+
+# Read once: Lightning's environment teardown removes WORLD_SIZE from os.environ after each fit.
+LAUNCH_WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 
 
 class Recorder(Callback):
@@ -65,12 +70,9 @@ class AttentionShapeSpy:
 
 
 def make_trainer(strategy, max_steps: int, callbacks=(), **kwargs) -> Trainer:
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
-    import os
-
     defaults = dict(
         accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]) if world is None else world,
+        devices=LAUNCH_WORLD_SIZE,
         strategy=strategy,
         max_steps=max_steps,
         logger=False,
@@ -91,8 +93,9 @@ def parity(payload: dict) -> dict:
     for run in payload["runs"]:
         seed_everything(SEED, verbose=False)
         config = tiny_llama_config(num_kv_heads=run["kv_heads"])
-        dataset = TokenDataset(run["num_rows"], run["seq_len"])
-        module = CausalLM(config, lr=run["lr"], dataset=dataset, batch_size=run["batch_size"])
+        dataset = TokenDataset(run["num_rows"], run["seq_len"], ignore_after=run.get("ignore_after"))
+        module_class = OwnLossCausalLM if run.get("own_loss") else CausalLM
+        module = module_class(config, lr=run["lr"], dataset=dataset, batch_size=run["batch_size"])
         recorder = Recorder()
         strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"])
         trainer = make_trainer(strategy, run["steps"], callbacks=[recorder])

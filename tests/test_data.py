@@ -420,3 +420,10 @@ def test_zero_gradient_scale(stage, reduce_scatter):
 def test_zero_gradient_scale_without_zero_section():
     assert zero_gradient_scale({}, 4) == 1.0
     assert zero_gradient_scale({"zero_optimization": None}, 4) == 1.0
+
+
+def test_broadcast_position_ids_row_is_expanded_then_sliced():
+    batch = {"input_ids": torch.arange(12).view(2, 6), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
+    shards = [shard_batch(batch, 2, r) for r in range(2)]
+    assert torch.equal(shards[0]["position_ids"], torch.tensor([[0, 1, 2], [0, 1, 2]]))
+    assert torch.equal(shards[1]["position_ids"], torch.tensor([[0, 1, 2], [0, 1, 2]]))

@@ -20,18 +20,30 @@ STAGES = (0, 1, 2, 3)
 KV_HEADS = {"MHA": 4, "GQA": 2, "MQA": 1}
 
 
-def _run(stage: int, kv_heads: int, sp_size: int, batch_size: int, num_rows: int) -> dict:
+def _run(stage: int, kv_heads: int, sp_size: int, batch_size: int, num_rows: int, **options) -> dict:
     return dict(stage=stage, kv_heads=kv_heads, sp_size=sp_size, batch_size=batch_size, steps=STEPS,
-                seq_len=SEQ_LEN, num_rows=num_rows, lr=LR)
+                seq_len=SEQ_LEN, num_rows=num_rows, lr=LR, **options)
 
 
 SP2_RUNS = [_run(stage, kv, sp_size=2, batch_size=1, num_rows=STEPS) for stage in STAGES for kv in KV_HEADS.values()]
+# A training_step that computes its loss from logits with `strategy.cross_entropy`, and rows whose second half carries
+# no target (rank 1's shard has no valid token: it must contribute 0, not NaN), at the two gradient scales.
+VARIANT_RUNS = {
+    f"{name}-zero{stage}": _run(stage, 2, sp_size=2, batch_size=1, num_rows=STEPS, **options)
+    for stage in (2, 3)
+    for name, options in {"own-loss": {"own_loss": True}, "empty-shard": {"ignore_after": SEQ_LEN // 2}}.items()
+}
 DP2_SP2_RUNS = [_run(stage, 2, sp_size=2, batch_size=2, num_rows=4 * STEPS) for stage in (2, 3)]
 
 
 @pytest.fixture(scope="module")
 def sp2_results():
     return launch(2, "parity", {"runs": SP2_RUNS})
+
+
+@pytest.fixture(scope="module")
+def variant_results():
+    return launch(2, "parity", {"runs": list(VARIANT_RUNS.values())})
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +65,8 @@ def update_rel_diff(weights: dict, reference: dict, initial: dict) -> float:
 
 def check_against_reference(run: dict, results: list[dict], global_batch: int) -> None:
     config = tiny_llama_config(num_kv_heads=run["kv_heads"])
-    reference = train_single_device(config, TokenDataset(run["num_rows"], SEQ_LEN), global_batch, STEPS, LR)
+    dataset = TokenDataset(run["num_rows"], SEQ_LEN, ignore_after=run.get("ignore_after"))
+    reference = train_single_device(config, dataset, global_batch, STEPS, LR)
     initial = dict(build_llama(config).named_parameters())
     sp = run["sp_size"]
     for rank, result in enumerate(results):
@@ -75,6 +88,12 @@ def check_against_reference(run: dict, results: list[dict], global_batch: int) -
 def test_sp2_matches_single_device(sp2_results, index):
     run = SP2_RUNS[index]
     check_against_reference(run, [rank["runs"][index] for rank in sp2_results], global_batch=1)
+
+
+@pytest.mark.parametrize("name", list(VARIANT_RUNS))
+def test_own_loss_helper_and_empty_shards_match_single_device(variant_results, name):
+    index = list(VARIANT_RUNS).index(name)
+    check_against_reference(VARIANT_RUNS[name], [rank["runs"][index] for rank in variant_results], global_batch=1)
 
 
 @pytest.mark.parametrize("index", range(len(DP2_SP2_RUNS)), ids=[f"zero{r['stage']}" for r in DP2_SP2_RUNS])
