@@ -37,7 +37,7 @@ class Recorder(Callback):
         self.input_shapes.append(tuple(batch["input_ids"].shape))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(outputs["loss"].item())
+        self.losses.append(outputs["loss"].float().item())
 
     def on_train_end(self, trainer, pl_module) -> None:
         import deepspeed
@@ -92,13 +92,13 @@ def parity(payload: dict) -> dict:
     results = []
     for run in payload["runs"]:
         seed_everything(SEED, verbose=False)
-        config = tiny_llama_config(num_kv_heads=run["kv_heads"])
+        config = tiny_llama_config(num_kv_heads=run["kv_heads"], attn=run.get("attn", "sdpa"))
         dataset = TokenDataset(run["num_rows"], run["seq_len"], ignore_after=run.get("ignore_after"))
         module_class = OwnLossCausalLM if run.get("own_loss") else CausalLM
         module = module_class(config, lr=run["lr"], dataset=dataset, batch_size=run["batch_size"])
         recorder = Recorder()
         strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"])
-        trainer = make_trainer(strategy, run["steps"], callbacks=[recorder])
+        trainer = make_trainer(strategy, run["steps"], callbacks=[recorder], **run.get("trainer", {}))
         with AttentionShapeSpy() as spy:
             trainer.fit(module)
         results.append({
@@ -106,7 +106,8 @@ def parity(payload: dict) -> dict:
             "logged_loss": trainer.callback_metrics["train_loss"].item(),
             "input_shapes": recorder.input_shapes,
             "attention_query_shapes": sorted(spy.shapes),
-            "weights": recorder.weights if torch.distributed.get_rank() == 0 else None,
+            "weights": ({k: v.float().cpu() for k, v in recorder.weights.items()}
+                        if torch.distributed.get_rank() == 0 else None),
             "mesh": {"sp_rank": strategy.sp_rank, "dp_rank": strategy.dp_rank, "dp_size": strategy.dp_size,
                      "sp_group": strategy.layout.sp_group_ranks(),
                      "dim_names": strategy.device_mesh.mesh_dim_names,
