@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch.utils.data import DataLoader, default_collate
 
+from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo
 from lightning_ulysses.loss import IGNORE_INDEX
 
 # Keys the collate step reads or writes; every other [B, S, ...] tensor is padded with 0 and sliced.
@@ -39,14 +40,20 @@ def shard_batch(
     1. ``position_ids``: kept if present (a ``[1, S]`` row is broadcast to ``[B, S]``), else ``0..S-1`` per row
        (global positions, computed before sharding).
     2. ``shift_labels``: kept if present, else built from ``labels``: ``labels[:, 1:]`` followed by ``ignore_index``.
-       Positions whose *target* token is padding (``attention_mask == 0``) get ``ignore_index``.
+       Positions whose *target* token is padding (``attention_mask == 0``) or starts another packed document get
+       ``ignore_index``.
     3. ``attention_mask`` is checked (only right padding is supported: causal attention then never lets a real token
        see a pad) and dropped.
     4. ``S`` is padded to a multiple of ``sp_size``: ``input_ids`` with ``pad_token_id``, labels with
        ``ignore_index``, positions continue counting, any other ``[B, S, ...]`` tensor with 0.
     5. Every ``[B, S, ...]`` tensor is sliced to ``[:, sp_rank * s : (sp_rank + 1) * s]`` with ``s = S_padded / sp``.
 
-    Non-tensor entries and tensors of other shapes pass through unchanged.
+    Non-tensor entries and tensors of other shapes pass through unchanged. The result also carries a
+    :class:`~lightning_ulysses.context.ShardInfo` under ``"_ulysses"`` (full length, packed-document offsets), which
+    the strategy removes before the LightningModule sees the batch.
+
+    Packed documents: a row holds several documents when its ``position_ids`` restart (any position that is not the
+    previous one + 1 starts a new document, the convention of Hugging Face's packing collators).
     """
     if not isinstance(batch, Mapping) or INPUT_IDS not in batch:
         raise TypeError(
@@ -69,12 +76,18 @@ def shard_batch(
         out[POSITION_IDS] = torch.arange(S, dtype=torch.long).expand(B, S)
     elif isinstance(out[POSITION_IDS], torch.Tensor) and tuple(out[POSITION_IDS].shape) == (1, S):
         out[POSITION_IDS] = out[POSITION_IDS].expand(B, S)  # Hugging Face's broadcast form: one row for all
+    position_ids = out[POSITION_IDS]
+    # [B, S] bool: True where a new document starts (every row starts one).
+    document_start = torch.ones(B, S, dtype=torch.bool)
+    document_start[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    packed = bool(document_start[:, 1:].any())
     if LABELS in out and SHIFT_LABELS not in out:
         labels = out[LABELS]
         shift_labels = torch.full_like(labels, ignore_index)
         shift_labels[:, :-1] = labels[:, 1:]
         if attention_mask is not None:
             shift_labels[:, :-1][attention_mask[:, 1:] == 0] = ignore_index
+        shift_labels[:, :-1][document_start[:, 1:]] = ignore_index  # a document never predicts the next one
         out[SHIFT_LABELS] = shift_labels
 
     padded_len = -(-S // sp_size) * sp_size
@@ -86,7 +99,18 @@ def shard_batch(
         if padded_len != S:
             value = _pad_sequence(value, key, padded_len, pad_token_id, ignore_index)
         out[key] = value[:, start : start + shard_len].contiguous()
+    out[SHARD_INFO_KEY] = _shard_info(S, padded_len, document_start) if packed else ShardInfo(S)
     return out
+
+
+def _shard_info(seq_len: int, padded_len: int, document_start: torch.Tensor) -> ShardInfo:
+    """Document offsets in the flattened ``[B × padded_len]`` batch (padding extends each row's last document)."""
+    B = document_start.shape[0]
+    rows, cols = document_start.nonzero(as_tuple=True)
+    starts = rows * padded_len + cols
+    cu_seqlens = torch.cat([starts, torch.tensor([B * padded_len])]).to(torch.int32)
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return ShardInfo(seq_len, cu_seqlens, max_seqlen)
 
 
 def _pad_sequence(value: torch.Tensor, key: str, padded_len: int, pad_token_id: int, ignore_index: int) -> torch.Tensor:
@@ -146,4 +170,43 @@ def install_sharding_collate(dataloader: DataLoader, sp_size: int, sp_rank: int,
         # Automatic batching is off: PyTorch calls collate_fn per sample, which cannot be sharded.
         raise ValueError("UlyssesDeepSpeedStrategy needs batched DataLoaders (batch_size or batch_sampler set).")
     dataloader.collate_fn = SequenceShardingCollate(sp_size, sp_rank, user_collate, pad_token_id)
+    return dataloader
+
+
+class _AccumulationWindowMixin:
+    """Adds look-ahead to a DataLoader: batches are read one gradient-accumulation window at a time, and each batch's
+    :class:`ShardInfo` gets this rank's count of target tokens over its whole window, so the loss can weight every
+    token of the window equally, as one larger batch would."""
+
+    _ulysses_window: int = 1
+    _ulysses_window_offset: Callable[[], int] = staticmethod(lambda: 0)
+
+    def __iter__(self):
+        iterator = super().__iter__()  # type: ignore[misc]
+        # Windows follow DeepSpeed's micro-step counter, which runs on across epochs.
+        first = self._ulysses_window - self._ulysses_window_offset() % self._ulysses_window
+        size = first
+        while True:
+            window = [batch for _, batch in zip(range(size), iterator)]
+            if not window:
+                return
+            tokens = sum((b[SHIFT_LABELS] != IGNORE_INDEX).sum() for b in window if SHIFT_LABELS in b)
+            for batch in window:
+                if SHARD_INFO_KEY in batch:
+                    batch[SHARD_INFO_KEY].window_tokens = torch.as_tensor(tokens)
+                yield batch
+            size = self._ulysses_window
+
+
+def install_accumulation_window(dataloader: DataLoader, steps: int, offset: Callable[[], int]) -> DataLoader:
+    """Make ``dataloader`` count target tokens per accumulation window of ``steps`` batches (see the mixin).
+
+    ``offset()`` returns the number of micro-batches already taken (DeepSpeed's counter) when iteration starts.
+    """
+    cls = type(dataloader)
+    if not issubclass(cls, _AccumulationWindowMixin):
+        cls = type(f"AccumulationWindow{cls.__name__}", (_AccumulationWindowMixin, cls), {})
+        dataloader.__class__ = cls
+    dataloader._ulysses_window = steps  # type: ignore[attr-defined]
+    dataloader._ulysses_window_offset = offset  # type: ignore[attr-defined]
     return dataloader

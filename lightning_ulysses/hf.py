@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ulysses.context import ShardInfo, StepContext
 from lightning_ulysses.exchange import head_to_sequence_shards, sequence_to_head_shards
 from lightning_ulysses.loss import SequenceParallelLossFunction
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 _PREFIX = "ulysses_"
-_CONTEXT_ATTR = "_ulysses_sp_group"
+_CONTEXT_ATTR = "_ulysses_step_context"
 # Keyword arguments that describe the *local* shard's positions; the attention over the full sequence must not see them.
 _LOCAL_POSITION_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -105,8 +106,9 @@ class _SavedModelState:
 _SAVED = "_ulysses_saved_state"
 
 
-def prepare_model(model: nn.Module, group: dist.ProcessGroup, grad_scale: float) -> None:
-    """Point ``model`` at Ulysses attention over ``group`` and at the SP loss. Idempotent; see :func:`restore_model`."""
+def prepare_model(model: nn.Module, context: StepContext) -> None:
+    """Point ``model`` at Ulysses attention over ``context.sp_group`` and at the SP loss. Idempotent; undone by
+    :func:`restore_model`."""
     saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED)
     if saved is None:
         config = model.config
@@ -122,11 +124,11 @@ def prepare_model(model: nn.Module, group: dist.ProcessGroup, grad_scale: float)
         if saved.use_cache is not None:
             config.use_cache = False  # a KV cache of one shard is useless and would size masks wrongly
         model.__dict__[_SAVED] = saved
-    # Every module that dispatches attention holds a config; give each the SP group to exchange over.
+    # Every module that dispatches attention holds a config; give each the step context (SP group, documents).
     saved.marked_modules = [m for m in model.modules() if hasattr(m, "config")]
     for module in saved.marked_modules:
-        module.__dict__[_CONTEXT_ATTR] = group
-    model.loss_function = SequenceParallelLossFunction(group, grad_scale)
+        module.__dict__[_CONTEXT_ATTR] = context
+    model.loss_function = SequenceParallelLossFunction(context)
 
 
 def restore_model(model: nn.Module) -> None:
@@ -161,19 +163,67 @@ class _LocalHeadsView:
         return getattr(self._module, name)
 
 
-_causal_block_masks: dict[tuple[int, str], Any] = {}
+def attention_implementation(model: nn.Module) -> str:
+    """The model's attention implementation without the Ulysses prefix (``sdpa``, ``flash_attention_2``, ...)."""
+    impl = model.config._attn_implementation
+    return impl[len(_PREFIX):] if impl.startswith(_PREFIX) else impl
 
 
-def _causal_block_mask(seq_len: int, device: torch.device) -> Any:
+def keeps_documents_apart(impl: str, sdpa_per_document: bool) -> bool:
+    """Whether Ulysses attention with ``impl`` can keep packed documents from attending to each other."""
+    return impl != "sdpa" or sdpa_per_document
+
+
+_block_masks: dict[Any, Any] = {}
+
+
+def _flex_block_mask(seq_len: int, device: torch.device, cu_seqlens: Optional[torch.Tensor]) -> Any:
+    """Causal mask over ``seq_len`` positions; with ``cu_seqlens``, also block attention across documents."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = (seq_len, str(device))
-    if key not in _causal_block_masks:
-        _causal_block_masks.clear()  # keep one: lengths change between batches
-        _causal_block_masks[key] = create_block_mask(
-            lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq_len, seq_len, device=device
-        )
-    return _causal_block_masks[key]
+    key = (seq_len, str(device), None if cu_seqlens is None else tuple(cu_seqlens.tolist()))
+    if key not in _block_masks:
+        _block_masks.clear()  # keep one: shapes change between batches
+        if cu_seqlens is None:
+            mask_mod = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+        else:
+            positions = torch.arange(seq_len, device=device)
+            document = torch.searchsorted(cu_seqlens.to(device)[1:], positions, right=True)  # [L]
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (q_idx >= kv_idx) & (document[q_idx] == document[kv_idx])
+
+        _block_masks[key] = create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
+    return _block_masks[key]
+
+
+def _flatten_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, h, S, D] -> [1, h, B*S, D]``: the packed rows as one sequence, so documents are segments of it."""
+    B, h, S, D = x.shape
+    return x.transpose(0, 1).reshape(1, h, B * S, D)
+
+
+def _attend_documents(inner_name: str, inner: Callable, module: Any, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, shard: ShardInfo, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Causal attention inside each packed document only. ``q/k/v [B, h, S, D]`` -> ``[B, S, hq, D]``."""
+    B, hq, S, D = q.shape
+    cu_seqlens = shard.cu_seqlens.to(device=q.device, dtype=torch.int32)  # offsets in the flattened [B*S]
+    if inner_name.startswith("flash_attention"):
+        # Hugging Face's varlen path flattens the batch itself and reads the offsets from these kwargs.
+        kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                      max_length_q=shard.max_seqlen, max_length_k=shard.max_seqlen)
+        out, _ = inner(module, q, k, v, None, **kwargs)  # [B, S, hq, D]
+        return out.reshape(B, S, hq, -1)
+    qf, kf, vf = _flatten_rows(q), _flatten_rows(k), _flatten_rows(v)  # [1, h, B*S, D]
+    if inner_name == "flex_attention":
+        mask = _flex_block_mask(B * S, q.device, cu_seqlens)
+        out, _ = inner(module, qf, kf, vf, mask, **kwargs)  # [1, B*S, hq, D]
+    else:  # sdpa: one exact causal call per document, no [S, S] mask
+        bounds = cu_seqlens.tolist()
+        pieces = [inner(module, qf[:, :, a:b], kf[:, :, a:b], vf[:, :, a:b], None, **kwargs)[0]
+                  for a, b in zip(bounds[:-1], bounds[1:])]  # each [1, L_doc, hq, D]
+        out = torch.cat(pieces, dim=1)  # [1, B*S, hq, D]
+    return out.reshape(B, S, hq, -1)
 
 
 def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor, None]]:
@@ -185,27 +235,42 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         attention_mask: Optional[torch.Tensor],
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        group = module.__dict__.get(_CONTEXT_ATTR)
-        if group is None:
+        context: Optional[StepContext] = module.__dict__.get(_CONTEXT_ATTR)
+        if context is None:
             raise RuntimeError(
                 f"{type(module).__name__} runs Ulysses attention but was not prepared by UlyssesDeepSpeedStrategy"
                 f" (config._attn_implementation={module.config._attn_implementation!r})."
             )
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+        group = context.sp_group
         q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
-        inner_attention = ALL_ATTENTION_FUNCTIONS[inner_name]
+        inner = ALL_ATTENTION_FUNCTIONS[inner_name]
+        view = _LocalHeadsView(module, q.shape[1] // k.shape[1])
         for name in _LOCAL_POSITION_KWARGS:
             kwargs.pop(name, None)
-        # The causal structure of the *full* sequence: sdpa/flash use is_causal; flex needs a block mask.
-        full_mask = _causal_block_mask(q.shape[2], q.device) if inner_name == "flex_attention" else None
-        out, _ = inner_attention(
-            _LocalHeadsView(module, q.shape[1] // k.shape[1]), q, k, v, full_mask, **kwargs
-        )  # [B, S, hq, D]
+        shard = context.shard
+        if shard is not None and shard.packed:
+            if not keeps_documents_apart(inner_name, context.sdpa_per_document):
+                raise ValueError(packed_documents_error(inner_name))
+            out = _attend_documents(inner_name, inner, view, q, k, v, shard, kwargs)  # [B, S, hq, D]
+        else:
+            # The causal structure of the *full* sequence: sdpa/flash use is_causal; flex needs a block mask.
+            full_mask = _flex_block_mask(q.shape[2], q.device, None) if inner_name == "flex_attention" else None
+            out, _ = inner(view, q, k, v, full_mask, **kwargs)  # [B, S, hq, D]
         return head_to_sequence_shards(out, group), None  # [B, s, Hq, D]
 
     ulysses_attention_forward.__name__ = f"ulysses_{inner_name}_forward"
     return ulysses_attention_forward
+
+
+def packed_documents_error(impl: str) -> str:
+    return (
+        f"The batch packs several documents per row (position_ids restart at 0), but attn_implementation={impl!r}"
+        " would let them attend to each other. Use attn_implementation='flash_attention_2'/'flash_attention_3'"
+        " (varlen) or 'flex_attention' (document mask) on CUDA, or keep 'sdpa' and pass"
+        " `UlyssesDeepSpeedStrategy(..., sdpa_per_document=True)` (exact: one SDPA call per document)."
+    )
 
 
 def register_attention_functions() -> None:

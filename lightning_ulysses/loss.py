@@ -1,16 +1,19 @@
-"""The full-sequence causal-LM loss from a sequence shard, with the gradient scale DeepSpeed's reduction needs.
+"""The causal-LM loss from sequence shards, token-weighted like the single-device run, with exact gradients.
 
-Each SP rank holds logits for ``S / sp`` positions. The loss users expect is the mean over every valid token of the
-whole sequence, the same number on every SP rank. Its gradient must be what DeepSpeed turns into the single-device
-gradient after its reduction, which depends on the ZeRO stage (measured, see README "How the gradients stay exact"):
+Each rank holds logits for ``S / sp`` positions of its replica's micro-batch. The single-device run that SP must
+reproduce takes the mean over every target token of the whole (global) batch. So every rank computes the *sum* over
+its shard's valid tokens, and one all-reduce over all ranks (DP × SP) gives the global sum and token count:
 
-* ZeRO 0/1/2, and ZeRO 3 without ``reduce_scatter``: gradients are summed over all DP×SP ranks and divided by dp, so
-  each rank must backpropagate only its local share ``local_sum / N_valid(whole sequence)`` (scale 1);
-* ZeRO 3 with ``reduce_scatter`` (Lightning's default): gradients are averaged over all DP×SP ranks, so each rank
-  backpropagates ``sp ×`` its local share.
+* the returned value is the global micro-batch mean: the same number on every rank, equal to the single-device loss;
+* its gradient is ``grad_scale × local_sum / N``, where ``N`` counts the target tokens of the micro-batch, or of the
+  whole gradient-accumulation window when the train loader looked ahead to count it (exact token weighting across
+  micro-batches of different lengths, as one k-times larger batch would give).
 
-The loss returned is ``grad_scale * share + (full_loss - grad_scale * share).detach()``: its value is the
-full-sequence loss, its gradient ``grad_scale ×`` the local share. One all-reduce (2 numbers) per call.
+``grad_scale`` undoes what DeepSpeed does to gradients (measured per ZeRO stage, pinned by tests/test_parity.py):
+it sums gradients over all DP × SP ranks and divides by dp (ZeRO 0/1/2, ZeRO 3 without ``reduce_scatter``) or by
+dp × sp (ZeRO 3 with ``reduce_scatter``, Lightning's default), and it divides the loss by the accumulation steps.
+
+The loss returned is ``share + (value - share).detach()``. One all-reduce of 3 numbers per call.
 """
 
 from __future__ import annotations
@@ -21,15 +24,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_ulysses.context import StepContext
+
 IGNORE_INDEX = -100
 
 
-def zero_gradient_scale(deepspeed_config: Mapping[str, Any], sp_size: int) -> float:
-    """The factor on each SP rank's local loss share that makes DeepSpeed's reduced gradient exact."""
+def zero_gradient_scale(deepspeed_config: Mapping[str, Any], sp_size: int, dp_size: int = 1) -> float:
+    """The factor on each rank's ``local_sum / N`` that makes DeepSpeed's reduced gradient exact."""
     zero = deepspeed_config.get("zero_optimization") or {}
     if zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True):
-        return float(sp_size)
-    return 1.0
+        return float(dp_size * sp_size)
+    return float(dp_size)
 
 
 def sequence_parallel_cross_entropy(
@@ -38,23 +43,26 @@ def sequence_parallel_cross_entropy(
     group: Optional[dist.ProcessGroup] = None,
     grad_scale: float = 1.0,
     ignore_index: int = IGNORE_INDEX,
+    window_tokens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy over all valid tokens of the full sequences, from this rank's shard.
+    """Mean next-token cross-entropy over all target tokens of the batch, computed from this rank's shard.
 
     Use it when your ``training_step`` computes the loss from logits instead of reading ``model(**batch).loss``;
-    inside a LightningModule ``self.trainer.strategy.cross_entropy(logits, batch["shift_labels"])`` fills in the group
-    and the gradient scale.
+    inside a LightningModule, ``self.trainer.strategy.cross_entropy(logits, batch["shift_labels"])`` fills in the
+    group, the gradient scale and the accumulation window.
 
     Args:
         logits: ``[B, s, V]`` logits of this rank's sequence shard.
         shift_labels: ``[B, s]`` next-token targets of the shard (the collate step's ``shift_labels``); positions
-            equal to ``ignore_index`` do not count. A shard without any valid token contributes 0, never NaN.
-        group: the SP group (``None``: no sequence parallelism, plain mean).
+            equal to ``ignore_index`` do not count. A shard without any target contributes 0, never NaN.
+        group: the ranks whose shards make up the batch (``None``: every rank of the default group, if initialised).
         grad_scale: factor on the local share's gradient (see :func:`zero_gradient_scale`).
         ignore_index: label value of positions that carry no target.
+        window_tokens: this rank's target-token count over the gradient-accumulation window; the gradient is then
+            normalised by the window's global count instead of the micro-batch's.
 
     Returns:
-        A 0-dim fp32 tensor whose value is the full-sequence loss, identical on every rank of the SP group.
+        A 0-dim fp32 tensor whose value is the global micro-batch mean, identical on every rank of ``group``.
     """
     vocab_size = logits.shape[-1]
     local_sum = F.cross_entropy(
@@ -63,22 +71,30 @@ def sequence_parallel_cross_entropy(
         ignore_index=ignore_index,
         reduction="sum",
     )
-    local_count = (shift_labels != ignore_index).sum()
-    totals = torch.stack([local_sum.detach().double(), local_count.double()])  # [sum, count]
-    if group is not None and dist.get_world_size(group) > 1:
+    local_count = (shift_labels != ignore_index).sum().to(local_sum.device)
+    window = local_count if window_tokens is None else window_tokens.to(local_sum.device)
+    totals = torch.stack([local_sum.detach().double(), local_count.double(), window.double()])  # [sum, count, window]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
-    total_valid = totals[1].clamp(min=1.0)
-    full_loss = (totals[0] / total_valid).float()
-    share = local_sum * (grad_scale / total_valid.float())
-    return share + (full_loss - share).detach()
+    value = (totals[0] / totals[1].clamp(min=1.0)).float()
+    share = local_sum * (grad_scale / totals[2].clamp(min=1.0).float())
+    return share + (value - share).detach()
+
+
+def step_cross_entropy(
+    context: StepContext, logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """:func:`sequence_parallel_cross_entropy` with the group, gradient scale and window of the current step."""
+    window = context.shard.window_tokens if context.shard is not None else None
+    scale = context.grad_scale * (context.accumulation if window is not None else 1)
+    return sequence_parallel_cross_entropy(logits, shift_labels, context.loss_group, scale, ignore_index, window)
 
 
 class SequenceParallelLossFunction:
     """Drop-in for a Hugging Face model's ``loss_function`` under SP (what ``model(**batch).loss`` calls)."""
 
-    def __init__(self, group: dist.ProcessGroup, grad_scale: float = 1.0) -> None:
-        self.group = group
-        self.grad_scale = grad_scale
+    def __init__(self, context: StepContext) -> None:
+        self.context = context
 
     def __call__(
         self,
@@ -95,4 +111,4 @@ class SequenceParallelLossFunction:
                 " sequence was sharded). The strategy's collate step adds them from `labels`: pass batches through"
                 " the DataLoader the strategy prepared, or add `shift_labels` to the batch yourself."
             )
-        return sequence_parallel_cross_entropy(logits, shift_labels, self.group, self.grad_scale, ignore_index)
+        return step_cross_entropy(self.context, logits, shift_labels, ignore_index)

@@ -19,9 +19,11 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
 from lightning_ulysses import hf
-from lightning_ulysses.data import install_sharding_collate
+from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo, StepContext
+from lightning_ulysses.data import install_accumulation_window, install_sharding_collate
 from lightning_ulysses.layout import SequenceParallelLayout, validate_sp_size
-from lightning_ulysses.loss import sequence_parallel_cross_entropy, zero_gradient_scale
+from lightning_ulysses.loss import step_cross_entropy, zero_gradient_scale
+from lightning_ulysses.outputs import gather_sequence_outputs
 
 
 class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
@@ -48,18 +50,33 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         sp_size: Ranks per sequence-parallel group. Must divide the world size (``num_nodes × devices``), the number
             of attention heads, and divide or be a multiple of the number of KV heads. ``None``: the number of
             devices per node (SP inside each node, DP across nodes).
+        sdpa_per_document: With ``attn_implementation="sdpa"``, rows that pack several documents run attention
+            once per document (exact, no ``[S, S]`` mask; a Python loop, slow with many short documents). Off: such
+            batches raise, since plain SDPA would let documents attend to each other. ``flash_attention_2/3``
+            (varlen) and ``flex_attention`` (document mask) always keep documents apart.
+        gather_predictions: ``predict_step`` outputs that are per-token (``[B, s, ...]``) are gathered to the full
+            ``[B, S, ...]`` on every rank of the SP group. ``False`` keeps each rank's shard (saves memory).
         **kwargs: Every argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` (``stage``,
             ``offload_optimizer``, ``config``, ...).
     """
 
     strategy_name = "ulysses_deepspeed"
 
-    def __init__(self, sp_size: Optional[int] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        sp_size: Optional[int] = None,
+        sdpa_per_document: bool = False,
+        gather_predictions: bool = True,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         if sp_size is not None:
             validate_sp_size(sp_size, sp_size)  # type and sign; the world size is checked once it is known
         self._requested_sp_size = sp_size
+        self.sdpa_per_document = sdpa_per_document
+        self.gather_predictions = gather_predictions
         self._layout: Optional[SequenceParallelLayout] = None
+        self._context: Optional[StepContext] = None
         self._prepared_models: list[Module] = []
 
     # ----------------------------------------------------------------------------------------------- layout
@@ -146,20 +163,73 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         for model in models:
             hf.validate_model(model, self.sp_size, self.root_device.type)
         hf.register_attention_functions()
+        self._context = StepContext(
+            sp_group=self.sp_group,
+            loss_group=None,  # every rank: the loss is token-weighted over the global batch
+            grad_scale=zero_gradient_scale(self.config, self.sp_size, self.dp_size),
+            accumulation=int(self.config.get("gradient_accumulation_steps", 1)),
+            sdpa_per_document=self.sdpa_per_document,
+        )
         for model in models:
-            hf.prepare_model(model, self.sp_group, self.gradient_scale)
+            hf.prepare_model(model, self._context)
         self._prepared_models = models
 
     @property
-    def gradient_scale(self) -> float:
-        """Factor on each rank's local loss share that makes DeepSpeed's gradient reduction exact for this config."""
-        assert isinstance(self.config, dict)
-        return zero_gradient_scale(self.config, self.sp_size)
+    def step_context(self) -> StepContext:
+        """What the prepared models' attention and loss read during the current step."""
+        if self._context is None:
+            raise RuntimeError("The step context exists once the Trainer has set up the strategy.")
+        return self._context
+
+    @property
+    def current_shard(self) -> Optional[ShardInfo]:
+        """Facts about the full batch of the current step (length before padding, packed documents)."""
+        return self._context.shard if self._context is not None else None
 
     def cross_entropy(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
-        """Full-sequence mean cross-entropy from this rank's ``[B, s, V]`` logits and ``[B, s]`` ``shift_labels``,
-        for a ``training_step`` that computes its own loss. Same value on every SP rank, exact gradients."""
-        return sequence_parallel_cross_entropy(logits, shift_labels, self.sp_group, self.gradient_scale)
+        """Mean next-token cross-entropy over the batch's target tokens from this rank's ``[B, s, V]`` logits and
+        ``[B, s]`` ``shift_labels``, for a ``training_step`` that computes its own loss. Same value on every rank,
+        the single-device value; exact gradients at every ZeRO stage and with gradient accumulation."""
+        return step_cross_entropy(self.step_context, logits, shift_labels)
+
+    # ----------------------------------------------------------------------------------------------- steps
+    def _begin_step(self, batch: Any) -> None:
+        """Move the collate step's ShardInfo from the batch into the step context (before any compute)."""
+        if not isinstance(batch, dict) or SHARD_INFO_KEY not in batch:
+            return
+        shard: ShardInfo = batch.pop(SHARD_INFO_KEY)
+        if shard.packed:
+            for model in self._prepared_models:
+                impl = hf.attention_implementation(model)
+                if not hf.keeps_documents_apart(impl, self.sdpa_per_document):
+                    raise ValueError(hf.packed_documents_error(impl))
+        if self._context is not None:
+            self._context.shard = shard
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_step(args[0] if args else kwargs.get("batch"))
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_step(args[0] if args else kwargs.get("batch"))
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_step(args[0] if args else kwargs.get("batch"))
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs.get("batch")
+        self._begin_step(batch)
+        local_shape = tuple(batch["input_ids"].shape[:2]) if isinstance(batch, dict) and "input_ids" in batch else None
+        output = super().predict_step(*args, **kwargs)
+        if not self.gather_predictions or local_shape is None or self.current_shard is None:
+            return output
+        return gather_sequence_outputs(output, local_shape, self.current_shard.seq_len, self.sp_group)
 
     @override
     def _setup_model_and_optimizer(
@@ -217,7 +287,27 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
-        return install_sharding_collate(dataloader, self.sp_size, self.sp_rank, self._pad_token_id())
+        dataloader = install_sharding_collate(dataloader, self.sp_size, self.sp_rank, self._pad_token_id())
+        accumulation = self._context.accumulation if self._context is not None else 1
+        if accumulation > 1:
+            dataloader = install_accumulation_window(dataloader, accumulation, self._micro_steps_taken)
+        return dataloader
+
+    def _micro_steps_taken(self) -> int:
+        return int(getattr(self.model, "micro_steps", 0))
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        accumulation = self.step_context.accumulation
+        batches = trainer.num_training_batches
+        if accumulation > 1 and batches != float("inf") and batches % accumulation != 0:
+            rank_zero_warn(
+                f"The epoch has {batches} batches, not a multiple of accumulate_grad_batches={accumulation}: an"
+                " accumulation window that spans two epochs is token-weighted per part, so its gradient differs"
+                " slightly from one large batch. Make the epoch length a multiple to keep exact token weighting."
+            )
 
     def _pad_token_id(self) -> int:
         for model in self._prepared_models:
@@ -232,6 +322,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         for model in self._prepared_models:
             hf.restore_model(model)
         self._prepared_models = []
+        self._context = None
         super().teardown()
 
     @classmethod

@@ -16,7 +16,11 @@ SEQ_KEYS = ("input_ids", "labels", "shift_labels", "position_ids")
 
 
 def all_shards(batch, sp_size, pad_token_id=0):
-    return [shard_batch(batch, sp_size, r, pad_token_id=pad_token_id) for r in range(sp_size)]
+    """Every rank's shard, without the ShardInfo the strategy pops (tested on its own below)."""
+    shards = [shard_batch(batch, sp_size, r, pad_token_id=pad_token_id) for r in range(sp_size)]
+    for shard in shards:
+        assert shard.pop("_ulysses").seq_len == batch["input_ids"].shape[1]
+    return shards
 
 
 def concat(shards, key):
@@ -427,3 +431,32 @@ def test_broadcast_position_ids_row_is_expanded_then_sliced():
     shards = [shard_batch(batch, 2, r) for r in range(2)]
     assert torch.equal(shards[0]["position_ids"], torch.tensor([[0, 1, 2], [0, 1, 2]]))
     assert torch.equal(shards[1]["position_ids"], torch.tensor([[0, 1, 2], [0, 1, 2]]))
+
+
+def test_zero_gradient_scale_counts_data_parallel_replicas():
+    assert zero_gradient_scale({"zero_optimization": {"stage": 2}}, sp_size=2, dp_size=3) == 3.0
+    assert zero_gradient_scale({"zero_optimization": {"stage": 3}}, sp_size=2, dp_size=3) == 6.0
+    assert zero_gradient_scale({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, 2, 3) == 3.0
+
+
+# ----------------------------------------------------------------------------------------------- packed documents
+def test_packed_rows_give_document_offsets_and_no_cross_document_targets():
+    # Row 0 packs documents of 3 and 3 tokens; row 1 one document of 4 then 2 (S=6, sp=4 pads to 8).
+    input_ids = rows([11, 12, 13, 21, 22, 23], [31, 32, 33, 34, 41, 42])
+    position_ids = rows([0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 0, 1])
+    batch = {"input_ids": input_ids, "labels": input_ids.clone(), "position_ids": position_ids}
+    shards = [shard_batch(batch, 4, r) for r in range(4)]
+    info = shards[0]["_ulysses"]
+    assert info.packed and info.seq_len == 6
+    # flattened [2 × 8]: row 0 docs start at 0, 3 (the padding extends the last one); row 1 at 8, 12
+    assert info.cu_seqlens.tolist() == [0, 3, 8, 12, 16]
+    assert info.cu_seqlens.dtype == torch.int32 and info.max_seqlen == 5
+    assert all(s["_ulysses"].cu_seqlens.tolist() == info.cu_seqlens.tolist() for s in shards)
+    shift = torch.cat([s["shift_labels"] for s in shards], dim=1)
+    assert shift.tolist() == [[12, 13, IGNORE, 22, 23, IGNORE, IGNORE, IGNORE],
+                              [32, 33, 34, IGNORE, 42, IGNORE, IGNORE, IGNORE]]
+
+
+def test_unpacked_rows_have_no_document_offsets():
+    info = shard_batch({"input_ids": torch.ones(2, 8, dtype=torch.long)}, 2, 0)["_ulysses"]
+    assert not info.packed and info.cu_seqlens is None and info.seq_len == 8

@@ -1,0 +1,30 @@
+"""Per-token outputs of a sequence shard, gathered back to the full sequence on every rank of the SP group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
+
+
+def gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup, seq_len: int) -> torch.Tensor:
+    """``[B, s, ...]`` shards of the SP group -> ``[B, seq_len, ...]`` (the padding to a multiple of sp removed)."""
+    sp = dist.get_world_size(group)
+    shard = shard.contiguous()
+    pieces = torch.empty((sp, *shard.shape), dtype=shard.dtype, device=shard.device)  # [sp, B, s, ...]
+    dist.all_gather_into_tensor(pieces, shard, group=group)
+    full = pieces.transpose(0, 1).reshape(shard.shape[0], sp * shard.shape[1], *shard.shape[2:])  # [B, S_pad, ...]
+    return full[:, :seq_len]
+
+
+def gather_sequence_outputs(output: Any, local_shape: tuple[int, int], seq_len: int, group: dist.ProcessGroup) -> Any:
+    """Gather every tensor of ``output`` whose leading dims are this rank's ``(B, s)``; leave the rest as is."""
+
+    def gather(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.ndim >= 2 and tuple(tensor.shape[:2]) == local_shape:
+            return gather_sequence(tensor, group, seq_len)
+        return tensor
+
+    return apply_to_collection(output, torch.Tensor, gather)
