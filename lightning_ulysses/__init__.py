@@ -7,17 +7,24 @@ training is the one a single device would run. Importing this package registers 
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_ulysses.callbacks import SequenceParallelThroughputMonitor
 from lightning_ulysses.data import SequenceShardingCollate, shard_batch
 from lightning_ulysses.layout import SequenceParallelLayout
 from lightning_ulysses.loss import sequence_parallel_cross_entropy
+from lightning_ulysses.metrics import TokenWeightedLoss, TokenWeightedPerplexity
+from lightning_ulysses.outputs import gather_sequence
 from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
 
 UlyssesDeepSpeedStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "SequenceParallelLayout",
+    "SequenceParallelThroughputMonitor",
     "SequenceShardingCollate",
+    "TokenWeightedLoss",
+    "TokenWeightedPerplexity",
     "UlyssesDeepSpeedStrategy",
+    "gather_sequence",
     "sequence_parallel_cross_entropy",
     "shard_batch",
 ]

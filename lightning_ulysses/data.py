@@ -205,8 +205,11 @@ def install_accumulation_window(dataloader: DataLoader, steps: int, offset: Call
     """
     cls = type(dataloader)
     if not issubclass(cls, _AccumulationWindowMixin):
-        cls = type(f"AccumulationWindow{cls.__name__}", (_AccumulationWindowMixin, cls), {})
-        dataloader.__class__ = cls
-    dataloader._ulysses_window = steps  # type: ignore[attr-defined]
-    dataloader._ulysses_window_offset = offset  # type: ignore[attr-defined]
+        # The same loader (same sampler, collate, workers, state) as an instance of a subclass with look-ahead.
+        window_cls = type(f"AccumulationWindow{cls.__name__}", (_AccumulationWindowMixin, cls), {})
+        windowed = window_cls.__new__(window_cls)
+        windowed.__dict__.update(dataloader.__dict__)
+        dataloader = windowed
+    dataloader.__dict__["_ulysses_window"] = steps
+    dataloader.__dict__["_ulysses_window_offset"] = offset
     return dataloader

@@ -11,7 +11,8 @@ its shard's valid tokens, and one all-reduce over all ranks (DP × SP) gives the
 
 ``grad_scale`` undoes what DeepSpeed does to gradients (measured per ZeRO stage, pinned by tests/test_parity.py):
 it sums gradients over all DP × SP ranks and divides by dp (ZeRO 0/1/2, ZeRO 3 without ``reduce_scatter``) or by
-dp × sp (ZeRO 3 with ``reduce_scatter``, Lightning's default), and it divides the loss by the accumulation steps.
+dp × sp (ZeRO 3 with ``reduce_scatter``, Lightning's default); with gradient accumulation Lightning and DeepSpeed
+each divide the loss by the number of accumulation steps.
 
 The loss returned is ``share + (value - share).detach()``. One all-reduce of 3 numbers per call.
 """
@@ -86,7 +87,9 @@ def step_cross_entropy(
 ) -> torch.Tensor:
     """:func:`sequence_parallel_cross_entropy` with the group, gradient scale and window of the current step."""
     window = context.shard.window_tokens if context.shard is not None else None
-    scale = context.grad_scale * (context.accumulation if window is not None else 1)
+    # With accumulation, Lightning divides the training_step loss by the steps (its closure) and DeepSpeed divides
+    # it again (engine.backward): a window-normalised share must be multiplied by steps² (measured, tests pin it).
+    scale = context.grad_scale * (context.accumulation**2 if window is not None else 1)
     return sequence_parallel_cross_entropy(logits, shift_labels, context.loss_group, scale, ignore_index, window)
 
 

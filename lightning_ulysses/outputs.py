@@ -13,9 +13,9 @@ def gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup, seq_len: int)
     """``[B, s, ...]`` shards of the SP group -> ``[B, seq_len, ...]`` (the padding to a multiple of sp removed)."""
     sp = dist.get_world_size(group)
     shard = shard.contiguous()
-    pieces = torch.empty((sp, *shard.shape), dtype=shard.dtype, device=shard.device)  # [sp, B, s, ...]
-    dist.all_gather_into_tensor(pieces, shard, group=group)
-    full = pieces.transpose(0, 1).reshape(shard.shape[0], sp * shard.shape[1], *shard.shape[2:])  # [B, S_pad, ...]
+    pieces = torch.empty((sp * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+    dist.all_gather_into_tensor(pieces, shard, group=group)  # [sp*B, s, ...], rank-major
+    full = pieces.view(sp, *shard.shape).transpose(0, 1).reshape(shard.shape[0], sp * shard.shape[1], *shard.shape[2:])  # [B, S_pad, ...]
     return full[:, :seq_len]
 
 

@@ -59,7 +59,7 @@ def launch(
                 **(per_rank_env[rank] if per_rank_env else {}),
             }
             log = open(Path(tmp) / f"rank{rank}.log", "w+")
-            cmd = [sys.executable, "-m", "tests.scenarios", scenario, str(payload_path), str(Path(tmp) / f"rank{rank}.pkl")]
+            cmd = [sys.executable, "-m", "tests.worker", scenario, str(payload_path), str(Path(tmp) / f"rank{rank}.pkl")]
             procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
             logs.append(log)
         deadline = time.monotonic() + timeout

@@ -124,3 +124,108 @@ class OwnLossCausalLM(CausalLM):
         loss = self.trainer.strategy.cross_entropy(logits, batch["shift_labels"])
         self.log("train_loss", loss, sync_dist=True)
         return loss
+
+
+class VarLenDataset(Dataset):
+    """Rows of different lengths (seeded); labels = input_ids."""
+
+    def __init__(self, lengths: list[int], seed: int = 11) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.rows = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i].clone()}
+
+
+class PackedDataset(Dataset):
+    """Rows that pack several documents each; ``position_ids`` restart at 0 at every document start."""
+
+    def __init__(self, documents_per_row: list[list[int]], seed: int = 13) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.documents = [[torch.randint(1, VOCAB, (n,), generator=g) for n in row] for row in documents_per_row]
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        docs = self.documents[i]
+        input_ids = torch.cat(docs)
+        return {"input_ids": input_ids, "labels": input_ids.clone(),
+                "position_ids": torch.cat([torch.arange(len(d)) for d in docs])}
+
+
+def pad_right_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A user's collate: right-pad to the longest row; pads get label -100 and attention_mask 0."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    batch = {"input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
+             "labels": torch.full((len(samples), longest), -100, dtype=torch.long),
+             "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long)}
+    for row, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        batch["input_ids"][row, :n] = sample["input_ids"]
+        batch["labels"][row, :n] = sample["labels"]
+        batch["attention_mask"][row, :n] = 1
+    return batch
+
+
+def documents_as_rows(dataset: PackedDataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    """The reference for packing: the same documents, each its own (right-padded) row."""
+    docs = [d for i in indices for d in dataset.documents[i]]
+    return pad_right_collate([{"input_ids": d, "labels": d.clone()} for d in docs])
+
+
+class DataCausalLM(CausalLM):
+    """CausalLM with a given collate, a corpus-level validation loss and a predict_step returning logits."""
+
+    def __init__(self, config, dataset, batch_size: int = 1, collate_fn=None, lr: float = 0.5) -> None:
+        super().__init__(config, lr=lr, dataset=dataset, batch_size=batch_size)
+        from lightning_ulysses.metrics import TokenWeightedLoss, TokenWeightedPerplexity
+
+        self.collate_fn = collate_fn
+        self.corpus_loss = TokenWeightedLoss()
+        self.corpus_perplexity = TokenWeightedPerplexity()
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("val_loss", loss, sync_dist=True)
+        self.corpus_loss.update(loss, batch["shift_labels"])
+        self.corpus_perplexity.update(loss, batch["shift_labels"])
+        self.log("val_corpus_loss", self.corpus_loss)
+        self.log("val_perplexity", self.corpus_perplexity)
+        return loss
+
+    def predict_step(self, batch, batch_idx):
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        return self.model(**inputs).logits
+
+    def _loader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size, collate_fn=self.collate_fn)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader()
+
+
+def train_on_batches(config, batches: list[dict[str, torch.Tensor]], lr: float = 0.5, init_seed: int = 0):
+    """Single-device SGD, one optimizer step per given full batch; returns losses, weights and the model."""
+    model = build_llama(config, init_seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()}, "model": model}
