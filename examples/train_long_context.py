@@ -171,6 +171,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--accelerator", default="gpu" if gpu else "cpu", help="cpu or gpu")
     p.add_argument("--devices", type=int, default=torch.cuda.device_count() if gpu else 2,
                    help="processes per node")
+    p.add_argument("--num-nodes", type=int, default=1, help="nodes (SLURM/torchrun multi-node)")
     p.add_argument("--sp-size", type=int, default=None,
                    help="ranks per sequence; None: gcd(devices, heads). The rest is data parallelism")
     p.add_argument("--stage", type=int, default=2, choices=[1, 2, 3], help="DeepSpeed ZeRO stage")
@@ -203,6 +204,7 @@ def main() -> None:
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=UlyssesDeepSpeedStrategy(sp_size=args.sp_size, stage=args.stage),
         max_steps=args.max_steps,
         precision=args.precision,
