@@ -7,6 +7,7 @@ training is the one a single device would run. Importing this package registers 
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_ulysses.attention import UlyssesAttention, ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelThroughputMonitor
 from lightning_ulysses.data import SequenceShardingCollate, shard_batch
 from lightning_ulysses.layout import SequenceParallelLayout
@@ -23,9 +24,11 @@ __all__ = [
     "SequenceShardingCollate",
     "TokenWeightedLoss",
     "TokenWeightedPerplexity",
+    "UlyssesAttention",
     "UlyssesDeepSpeedStrategy",
     "gather_sequence",
     "sequence_parallel_cross_entropy",
     "shard_batch",
+    "ulysses_attention",
 ]
 __version__ = "0.1.0"

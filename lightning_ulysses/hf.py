@@ -77,21 +77,16 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str) -> None:
         if heads is None:
             continue
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if heads % sp_size != 0:
+        if heads < sp_size:
             raise ValueError(
-                f"{name} has num_attention_heads={heads}, not divisible by sp_size={sp_size}: each SP rank must get"
-                f" the same number of heads. Choose sp_size from {_divisors(heads)}."
+                f"{name} has num_attention_heads={heads}, fewer than sp_size={sp_size}: some SP ranks would hold"
+                f" no head. Use sp_size <= {heads}."
             )
-        if kv_heads % sp_size != 0 and sp_size % kv_heads != 0:
+        if heads % kv_heads != 0:
             raise ValueError(
-                f"{name} has num_key_value_heads={kv_heads}, which sp_size={sp_size} neither divides nor is a"
-                f" multiple of (KV heads can be split or replicated, not both). Choose sp_size from"
-                f" {sorted(set(_divisors(kv_heads)) | {m for m in _divisors(heads) if m % kv_heads == 0})}."
+                f"{name} has num_attention_heads={heads} not divisible by num_key_value_heads={kv_heads};"
+                " Ulysses attention needs whole query groups per KV head."
             )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass
@@ -258,7 +253,7 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
             # The causal structure of the *full* sequence: sdpa/flash use is_causal; flex needs a block mask.
             full_mask = _flex_block_mask(q.shape[2], q.device, None) if inner_name == "flex_attention" else None
             out, _ = inner(view, q, k, v, full_mask, **kwargs)  # [B, S, hq, D]
-        return head_to_sequence_shards(out, group), None  # [B, s, Hq, D]
+        return head_to_sequence_shards(out, group, query.shape[1]), None  # [B, s, Hq, D]
 
     ulysses_attention_forward.__name__ = f"ulysses_{inner_name}_forward"
     return ulysses_attention_forward

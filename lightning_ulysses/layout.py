@@ -36,6 +36,33 @@ def validate_sp_size(sp_size: int, world_size: int) -> None:
         )
 
 
+
+def sp_groups_span_nodes(sp_size: int, devices_per_node: int, num_nodes: int) -> bool:
+    """Whether some SP group holds ranks of two nodes, for node-contiguous global ranks (``node * devices + local``,
+    as Lightning's launcher, torchrun and SLURM number them) and SP innermost.
+
+    The groups are ``[k * sp_size, (k + 1) * sp_size)`` and the node boundaries ``m * devices_per_node``; no boundary
+    falls inside a group exactly when ``sp_size`` divides ``devices_per_node``. One node never spans anything.
+    """
+    return num_nodes > 1 and devices_per_node % sp_size != 0
+
+
+def node_spanning_warning(sp_size: int, devices_per_node: int, num_nodes: int) -> str:
+    """The message for :func:`sp_groups_span_nodes`: which group crosses which node boundary, and what to change."""
+    if not sp_groups_span_nodes(sp_size, devices_per_node, num_nodes):
+        raise ValueError(f"SP groups of {sp_size} ranks stay inside nodes of {devices_per_node} devices: nothing to warn.")
+    boundary = next(m * devices_per_node for m in range(1, num_nodes) if (m * devices_per_node) % sp_size != 0)
+    first = boundary // sp_size * sp_size
+    divisors = [d for d in range(1, devices_per_node + 1) if devices_per_node % d == 0]
+    return (
+        f"Sequence-parallel groups span nodes: `sp_size={sp_size}` does not divide the {devices_per_node} devices per"
+        f" node ({num_nodes} nodes), so e.g. the SP group of global ranks {first}..{first + sp_size - 1} has ranks on"
+        f" node {first // devices_per_node} and node {boundary // devices_per_node}. Training is still exact, but every"
+        " attention layer then runs its all-to-alls over the inter-node network, which is typically many times slower"
+        f" than the links inside a node. Choose `sp_size` from {divisors} (SP inside each node, data parallelism"
+        " across nodes), or leave `sp_size=None` for all devices of a node."
+    )
+
 @dataclass(frozen=True)
 class SequenceParallelLayout:
     """The data-parallel × sequence-parallel split of the world, built once the process group exists.
@@ -121,3 +148,11 @@ class DeepSpeedSequenceParallelGroups:
 
     def get_sequence_data_parallel_rank(self) -> int:
         return dist.get_rank()
+
+    # No tensor parallelism. DeepSpeed's checkpoint save asks every mpu for its TP degree without the SP-only guard
+    # it uses elsewhere (DeepSpeed's own parallel_state_sp lacks these too and cannot save a checkpoint).
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return 0

@@ -4,7 +4,8 @@ layout, the attention exchange, the data path and the loss live in their own mod
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional, Union
+import os
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
@@ -18,10 +19,17 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
+from lightning_ulysses import checkpoint as _checkpoint
 from lightning_ulysses import hf
+from lightning_ulysses.attention import ModuleSelector, find_attention_cores, unwrap_attention_core, wrap_attention_core
 from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo, StepContext
 from lightning_ulysses.data import install_accumulation_window, install_sharding_collate
-from lightning_ulysses.layout import SequenceParallelLayout, validate_sp_size
+from lightning_ulysses.layout import (
+    SequenceParallelLayout,
+    node_spanning_warning,
+    sp_groups_span_nodes,
+    validate_sp_size,
+)
 from lightning_ulysses.loss import step_cross_entropy, zero_gradient_scale
 from lightning_ulysses.outputs import gather_sequence_outputs
 
@@ -54,6 +62,11 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             once per document (exact, no ``[S, S]`` mask; a Python loop, slow with many short documents). Off: such
             batches raise, since plain SDPA would let documents attend to each other. ``flash_attention_2/3``
             (varlen) and ``flex_attention`` (document mask) always keep documents apart.
+        attention_modules: For models that are not Hugging Face ``PreTrainedModel``s: which modules of the
+            LightningModule are attention cores — classes, ``fnmatch`` name patterns (``"blocks.*.attn.core"``), or
+            none (modules with ``ulysses_attention_core = True``, e.g. :class:`lightning_ulysses.UlyssesAttention`,
+            are always wrapped). A core's ``forward(q, k, v, **kw)`` takes ``[B, H, S, D]`` and returns
+            ``[B, H, S, D]``; after wrapping it receives this rank's shards and runs on the full sequence.
         gather_predictions: ``predict_step`` outputs that are per-token (``[B, s, ...]``) are gathered to the full
             ``[B, S, ...]`` on every rank of the SP group. ``False`` keeps each rank's shard (saves memory).
         **kwargs: Every argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` (``stage``,
@@ -67,6 +80,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         sp_size: Optional[int] = None,
         sdpa_per_document: bool = False,
         gather_predictions: bool = True,
+        attention_modules: Optional[Sequence[ModuleSelector]] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -75,6 +89,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._requested_sp_size = sp_size
         self.sdpa_per_document = sdpa_per_document
         self.gather_predictions = gather_predictions
+        self.attention_modules = list(attention_modules or [])
+        self._wrapped_cores: list[Module] = []
         self._layout: Optional[SequenceParallelLayout] = None
         self._context: Optional[StepContext] = None
         self._prepared_models: list[Module] = []
@@ -118,6 +134,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def setup_environment(self) -> None:
         validate_sp_size(self.sp_size, self.num_nodes * self.num_processes)
+        if sp_groups_span_nodes(self.sp_size, self.num_processes, self.num_nodes):
+            rank_zero_warn(node_spanning_warning(self.sp_size, self.num_processes, self.num_nodes))
         if isinstance(self.accelerator, CPUAccelerator):
             _use_deepspeed_cpu_accelerator()
         # Lightning's DeepSpeedStrategy refuses anything but CUDA; the DDP setup underneath works for CPU/gloo too.
@@ -155,10 +173,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         """Validate and switch every HF model to Ulysses attention + SP loss (before any compute)."""
         assert self.lightning_module is not None and isinstance(self.config, dict)
         models = hf.find_pretrained_models(self.lightning_module)
-        if not models:
+        cores = [m for _, m in find_attention_cores(self.lightning_module, self.attention_modules)]
+        if not models and not cores:
             rank_zero_warn(
-                "UlyssesDeepSpeedStrategy found no Hugging Face PreTrainedModel in the LightningModule: no attention"
-                " was switched to Ulysses, so each rank attends only within its sequence shard."
+                "UlyssesDeepSpeedStrategy found no Hugging Face PreTrainedModel and no attention core in the"
+                " LightningModule: no attention was switched to Ulysses, so each rank attends only within its"
+                " sequence shard. Declare your attention modules with `attention_modules=[...]`."
             )
         for model in models:
             hf.validate_model(model, self.sp_size, self.root_device.type)
@@ -173,6 +193,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         for model in models:
             hf.prepare_model(model, self._context)
         self._prepared_models = models
+        for core in cores:
+            wrap_attention_core(core, self.sp_group)
+        self._wrapped_cores = cores
 
     @property
     def step_context(self) -> StepContext:
@@ -180,6 +203,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if self._context is None:
             raise RuntimeError("The step context exists once the Trainer has set up the strategy.")
         return self._context
+
+    def shard_positions(self, shard_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Global positions ``[shard_len]`` of this rank's sequence shard (for rotary/absolute position embeddings
+        of your own model; batches from the strategy's loaders also carry them as ``position_ids``)."""
+        start = self.sp_rank * shard_len
+        return torch.arange(start, start + shard_len, device=device or self.root_device)
 
     @property
     def current_shard(self) -> Optional[ShardInfo]:
@@ -291,6 +320,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         accumulation = self._context.accumulation if self._context is not None else 1
         if accumulation > 1:
             dataloader = install_accumulation_window(dataloader, accumulation, self._micro_steps_taken)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.training:
+            dataloader = _checkpoint.install_resumable_loader(dataloader)  # mid-epoch resume at the right batch
         return dataloader
 
     def _micro_steps_taken(self) -> int:
@@ -316,12 +348,45 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                 return int(pad)
         return 0
 
+    # ----------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Lightning's DeepSpeed checkpoint (a directory; every rank writes its shard), marked complete only once every
+        rank has written, with the layout and the Hugging Face models recorded (see
+        :mod:`lightning_ulysses.checkpoint`)."""
+        if storage_options is not None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # raises Lightning's TypeError
+        filepath = self.broadcast(filepath)
+        assert isinstance(self.config, dict)
+        record = {
+            "world_size": self.world_size, "sp_size": self.sp_size, "dp_size": self.dp_size,
+            "zero_stage": int(self.config.get("zero_optimization", {}).get("stage", 0)),
+            "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
+        }
+        if self.is_global_zero:
+            _checkpoint.begin_checkpoint(filepath, record)  # before DeepSpeed's barrier: no rank has written yet
+        hf_models = _checkpoint.hf_model_records(self.lightning_module) if self.lightning_module is not None else {}
+        checkpoint = {**checkpoint, _checkpoint.CLIENT_STATE_KEY: {**record, "hf_models": hf_models}}
+        super().save_checkpoint(checkpoint, filepath)  # ends with DeepSpeed's barrier: every rank's files are written
+        if self.is_global_zero:
+            _checkpoint.commit_checkpoint(filepath, record)
+        self.barrier("ulysses_checkpoint_commit")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if os.path.isdir(checkpoint_path):
+            # Incomplete checkpoints (a run killed while saving) and other world sizes fail here, before DeepSpeed.
+            _checkpoint.validate_for_loading(checkpoint_path, self.world_size)
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
     def teardown(self) -> None:
         for model in self._prepared_models:
             hf.restore_model(model)
-        self._prepared_models = []
+        for core in self._wrapped_cores:
+            unwrap_attention_core(core)
+        self._prepared_models, self._wrapped_cores = [], []
         self._context = None
         super().teardown()
 

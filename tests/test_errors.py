@@ -74,25 +74,25 @@ def test_supported_models_pass():
     validate(model(attn="flex_attention"), 2, "cuda")  # flex is refused on CPU only
 
 
-def test_attention_heads_not_divisible():
+def test_fewer_heads_than_sp_ranks():
     with pytest.raises(ValueError) as err:
-        hf.validate_model(model(num_heads=3, num_kv_heads=3), 2, "cpu")
+        hf.validate_model(model(num_heads=1, num_kv_heads=1), 2, "cpu")
     message = str(err.value)
-    assert "num_attention_heads=3, not divisible by sp_size=2" in message
-    assert "Choose sp_size from [1, 3]" in message
+    assert "num_attention_heads=1, fewer than sp_size=2" in message and "Use sp_size <= 1" in message
 
 
-def test_kv_heads_neither_dividing_nor_divisible():
-    # 6 heads split fine over 2 ranks, but 3 KV heads can neither be split (3 % 2) nor replicated (2 % 3)
-    assert 6 % 2 == 0 and 3 % 2 != 0 and 2 % 3 != 0
+def test_uneven_head_counts_are_accepted():
+    # split unevenly (issue 5): 3 heads over 2 ranks, 6 heads over 4, GQA 6/3 over 2 and 4
+    hf.validate_model(model(num_heads=3, num_kv_heads=3), 2, "cpu")
+    hf.validate_model(model(num_heads=6, num_kv_heads=6), 4, "cpu")
+    hf.validate_model(model(num_heads=6, num_kv_heads=3), 2, "cpu")
+    hf.validate_model(model(num_heads=6, num_kv_heads=3), 4, "cpu")
+
+
+def test_query_heads_must_group_evenly_over_kv_heads():
     with pytest.raises(ValueError) as err:
-        hf.validate_model(model(num_heads=6, num_kv_heads=3), 2, "cpu")
-    message = str(err.value)
-    assert "num_key_value_heads=3" in message and "sp_size=2" in message
-    assert "Choose sp_size from [1, 3, 6]" in message
-
-    with pytest.raises(ValueError, match="num_key_value_heads=2"):
-        hf.validate_model(model(num_heads=6, num_kv_heads=2), 3, "cpu")
+        hf.validate_model(model(num_heads=6, num_kv_heads=4), 2, "cpu")
+    assert "num_attention_heads=6 not divisible by num_key_value_heads=4" in str(err.value)
 
 
 def test_eager_attention_is_refused():
@@ -121,24 +121,24 @@ def test_already_prepared_model_is_validated_by_its_inner_implementation():
 CASES = [
     # (name, sp_size, config overrides)
     ("sp_larger_than_world", 3, {}),
-    ("heads_not_divisible", 2, {"num_heads": 3, "num_kv_heads": 3}),
-    ("kv_heads", 2, {"num_heads": 6, "num_kv_heads": 3}),
+    ("too_few_heads", 2, {"num_heads": 1, "num_kv_heads": 1}),
+    ("kv_heads", 2, {"num_heads": 6, "num_kv_heads": 4}),
     ("eager", 2, {"attn": "eager"}),
     ("flex_attention_cpu", 2, {"attn": "flex_attention"}),
     ("sp_larger_than_world_again", 3, {}),  # now with the process group already up
     ("good", 2, {}),
-    ("heads_after_good", 2, {"num_heads": 3, "num_kv_heads": 3}),
+    ("heads_after_good", 2, {"num_heads": 1, "num_kv_heads": 1}),
     ("good_again", 2, {}),
 ]
 
 EXPECTED_ERRORS = {
     "sp_larger_than_world": ["`sp_size=3` is larger than the world size (2 processes", "Lower `sp_size` to at most 2"],
-    "heads_not_divisible": ["num_attention_heads=3, not divisible by sp_size=2", "Choose sp_size from [1, 3]"],
-    "kv_heads": ["num_key_value_heads=3", "sp_size=2", "Choose sp_size from [1, 3, 6]"],
+    "too_few_heads": ["num_attention_heads=1, fewer than sp_size=2", "Use sp_size <= 1"],
+    "kv_heads": ["num_attention_heads=6 not divisible by num_key_value_heads=4"],
     "eager": ["attn_implementation='eager'", "attn_implementation='sdpa'"],
     "flex_attention_cpu": ["flex_attention", "Use attn_implementation='sdpa' on CPU"],
     "sp_larger_than_world_again": ["`sp_size=3` is larger than the world size (2 processes"],
-    "heads_after_good": ["num_attention_heads=3, not divisible by sp_size=2"],
+    "heads_after_good": ["num_attention_heads=1, fewer than sp_size=2"],
 }
 
 

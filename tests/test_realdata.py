@@ -27,6 +27,8 @@ CASES = {
     "varlen": {"dataset": DATASETS["varlen"]},
     "padded": {"dataset": DATASETS["padded"], "batch_size": 2, "collate_fn": pad_right_collate,
                "after": ("validate", "test", "predict"), "trainer": {"limit_val_batches": 1.0}},
+    "padded_sharded_predict": {"dataset": DATASETS["padded"], "batch_size": 2, "collate_fn": pad_right_collate,
+                               "strategy": {"gather_predictions": False}, "max_steps": 1, "after": ("predict",)},
     "packed": {"dataset": DATASETS["packed"], "strategy": {"sdpa_per_document": True}},
     "packed_plain_sdpa": {"dataset": PackedDataset([[10, 14, 8], [20, 12]])},
     "accumulate": {"dataset": DATASETS["accumulate"], "trainer": {"accumulate_grad_batches": 2}},
@@ -120,6 +122,16 @@ def test_predict_returns_full_sequence_logits_on_every_sp_rank(sp2, eval_referen
             assert logits.shape == expected.shape  # [B, S, V]: gathered and the sp padding removed
             real = batch["attention_mask"].bool()  # pad positions' outputs are not defined by the contract
             assert rel_diff(logits[real], expected[real]) <= REL_TOL
+
+
+def test_predict_can_keep_outputs_sharded(sp2):
+    for rank_index, rank in enumerate(sp2):
+        gathered = rank["padded"]["predict"]
+        for shard, full in zip(rank["padded_sharded_predict"]["predict"], gathered):
+            s = shard.shape[1]
+            assert shard.shape[0] == full.shape[0] and 2 * s >= full.shape[1] > 2 * (s - 1)  # [B, S_pad/2, V]
+    # the two ranks hold the two halves of the sequence, not copies
+    assert not torch.equal(sp2[0]["padded_sharded_predict"]["predict"][0], sp2[1]["padded_sharded_predict"]["predict"][0])
 
 
 def test_packed_documents_match_the_same_documents_as_separate_rows(sp2):
