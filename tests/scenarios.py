@@ -92,7 +92,8 @@ def parity(payload: dict) -> dict:
     results = []
     for run in payload["runs"]:
         seed_everything(SEED, verbose=False)
-        config = tiny_llama_config(num_kv_heads=run["kv_heads"], attn=run.get("attn", "sdpa"))
+        config = tiny_llama_config(num_kv_heads=run["kv_heads"], num_heads=run.get("num_heads", 4),
+                                   attn=run.get("attn", "sdpa"))
         dataset = TokenDataset(run["num_rows"], run["seq_len"], ignore_after=run.get("ignore_after"))
         module_class = OwnLossCausalLM if run.get("own_loss") else CausalLM
         module = module_class(config, lr=run["lr"], dataset=dataset, batch_size=run["batch_size"])
@@ -246,4 +247,15 @@ def realdata(payload: dict) -> dict:
             predictions = trainer.predict(module)
             result["predict"] = [p.float() for p in predictions]
         out[name] = result
+    return out
+
+
+def combined(payload: dict) -> dict:
+    """Several scenarios in one launch (imports cost seconds per process): ``{"name": [scenario, payload], ...}``."""
+    import importlib
+
+    out = {}
+    for name, (scenario, sub_payload) in payload.items():
+        module_name, _, function_name = scenario.rpartition(":") if ":" in scenario else ("tests.scenarios", ":", scenario)
+        out[name] = getattr(importlib.import_module(module_name), function_name)(sub_payload)
     return out

@@ -64,7 +64,7 @@ def update_rel_diff(weights: dict, reference: dict, initial: dict) -> float:
 
 
 def check_against_reference(run: dict, results: list[dict], global_batch: int) -> None:
-    config = tiny_llama_config(num_kv_heads=run["kv_heads"])
+    config = tiny_llama_config(num_kv_heads=run["kv_heads"], num_heads=run.get("num_heads", 4))
     dataset = TokenDataset(run["num_rows"], SEQ_LEN, ignore_after=run.get("ignore_after"))
     reference = train_single_device(config, dataset, global_batch, STEPS, LR)
     initial = dict(build_llama(config).named_parameters())
