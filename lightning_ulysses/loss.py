@@ -72,6 +72,18 @@ def sequence_parallel_cross_entropy(
         ignore_index=ignore_index,
         reduction="sum",
     )
+    return normalize_loss_sum(local_sum, shift_labels, group, grad_scale, ignore_index, window_tokens)
+
+
+def normalize_loss_sum(
+    local_sum: torch.Tensor,
+    shift_labels: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    grad_scale: float = 1.0,
+    ignore_index: int = IGNORE_INDEX,
+    window_tokens: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Turn this rank's summed token loss into the batch mean with exact gradients (see the module docstring)."""
     local_count = (shift_labels != ignore_index).sum().to(local_sum.device)
     window = local_count if window_tokens is None else window_tokens.to(local_sum.device)
     totals = torch.stack([local_sum.detach().double(), local_count.double(), window.double()])  # [sum, count, window]
@@ -82,14 +94,19 @@ def sequence_parallel_cross_entropy(
     return share + (value - share).detach()
 
 
+def step_normalization(context: StepContext) -> tuple[float, Optional[torch.Tensor]]:
+    """The gradient scale and accumulation-window token count of the current step."""
+    window = context.shard.window_tokens if context.shard is not None else None
+    # With accumulation, Lightning divides the training_step loss by the steps (its closure) and DeepSpeed divides
+    # it again (engine.backward): a window-normalised share must be multiplied by steps² (measured, tests pin it).
+    return context.grad_scale * (context.accumulation**2 if window is not None else 1), window
+
+
 def step_cross_entropy(
     context: StepContext, logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:
     """:func:`sequence_parallel_cross_entropy` with the group, gradient scale and window of the current step."""
-    window = context.shard.window_tokens if context.shard is not None else None
-    # With accumulation, Lightning divides the training_step loss by the steps (its closure) and DeepSpeed divides
-    # it again (engine.backward): a window-normalised share must be multiplied by steps² (measured, tests pin it).
-    scale = context.grad_scale * (context.accumulation**2 if window is not None else 1)
+    scale, window = step_normalization(context)
     return sequence_parallel_cross_entropy(logits, shift_labels, context.loss_group, scale, ignore_index, window)
 
 

@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
 from lightning_ulysses import checkpoint as _checkpoint
-from lightning_ulysses import hf
+from lightning_ulysses import hf, memory
 from lightning_ulysses.attention import ModuleSelector, find_attention_cores, unwrap_attention_core, wrap_attention_core
 from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo, StepContext
 from lightning_ulysses.data import install_accumulation_window, install_sharding_collate
@@ -67,6 +67,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             none (modules with ``ulysses_attention_core = True``, e.g. :class:`lightning_ulysses.UlyssesAttention`,
             are always wrapped). A core's ``forward(q, k, v, **kw)`` takes ``[B, H, S, D]`` and returns
             ``[B, H, S, D]``; after wrapping it receives this rank's shards and runs on the full sequence.
+        tiled_mlp: ALST tiled MLP: run each decoder layer's MLP on this many sequence tiles, recomputed tile by tile
+            in backward (0: off). Use when the MLP intermediate (``s × intermediate_size``) dominates memory.
+        tiled_loss: ALST tiled logits + loss: LM head and cross-entropy on this many sequence chunks under
+            checkpointing, so the ``s × vocab`` logits never exist whole (0: off; ``model(**batch).logits`` is then
+            ``None`` when labels are given). Use with large vocabularies.
+        offload_checkpoints: checkpoint every decoder layer and keep the checkpoints in CPU memory until backward.
+            Use when the saved layer activations dominate; costs a recompute and host-device copies.
         gather_predictions: ``predict_step`` outputs that are per-token (``[B, s, ...]``) are gathered to the full
             ``[B, S, ...]`` on every rank of the SP group. ``False`` keeps each rank's shard (saves memory).
         **kwargs: Every argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` (``stage``,
@@ -81,6 +88,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         sdpa_per_document: bool = False,
         gather_predictions: bool = True,
         attention_modules: Optional[Sequence[ModuleSelector]] = None,
+        tiled_mlp: int = 0,
+        tiled_loss: int = 0,
+        offload_checkpoints: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -90,6 +100,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self.sdpa_per_document = sdpa_per_document
         self.gather_predictions = gather_predictions
         self.attention_modules = list(attention_modules or [])
+        self.memory_features = memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints)
         self._wrapped_cores: list[Module] = []
         self._layout: Optional[SequenceParallelLayout] = None
         self._context: Optional[StepContext] = None
@@ -192,6 +203,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         )
         for model in models:
             hf.prepare_model(model, self._context)
+            memory.enable(model, self.memory_features, self._context)
         self._prepared_models = models
         for core in cores:
             wrap_attention_core(core, self.sp_group)
@@ -383,6 +395,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def teardown(self) -> None:
         for model in self._prepared_models:
+            memory.disable(model)
             hf.restore_model(model)
         for core in self._wrapped_cores:
             unwrap_attention_core(core)

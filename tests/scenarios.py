@@ -32,9 +32,16 @@ class Recorder(Callback):
         self.input_shapes: list[tuple[int, ...]] = []
         self.weights: dict[str, torch.Tensor] = {}
         self.train_batch_size: int = 0
+        self.features_active: dict = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.input_shapes.append(tuple(batch["input_ids"].shape))
+        model = pl_module.model
+        self.features_active = {
+            "tiled_mlps": sum("forward" in m.__dict__ for n, m in model.named_modules() if n.endswith(".mlp")),
+            "forward_replaced": "forward" in model.__dict__,
+            "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        }
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(outputs["loss"].float().item())
@@ -98,7 +105,7 @@ def parity(payload: dict) -> dict:
         module_class = OwnLossCausalLM if run.get("own_loss") else CausalLM
         module = module_class(config, lr=run["lr"], dataset=dataset, batch_size=run["batch_size"])
         recorder = Recorder()
-        strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"])
+        strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"], **run.get("strategy", {}))
         trainer = make_trainer(strategy, run["steps"], callbacks=[recorder], **run.get("trainer", {}))
         with AttentionShapeSpy() as spy:
             trainer.fit(module)
@@ -114,6 +121,7 @@ def parity(payload: dict) -> dict:
                      "dim_names": strategy.device_mesh.mesh_dim_names,
                      "module_mesh_is_strategy_mesh": module.device_mesh is strategy.device_mesh},
             "train_batch_size": recorder.train_batch_size,
+            "features_active": recorder.features_active,
         })
     return {"runs": results}
 
