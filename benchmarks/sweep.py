@@ -1,0 +1,289 @@
+"""Per-rank peak training memory and tokens/sec over a sweep of sequence lengths, for sp_size 1 and 2 with the ALST
+memory switches on and off, plus a hand-written DeepSpeed Ulysses loop without Lightning; the longest trainable
+sequence under a per-rank memory budget. Writes ``benchmarks/out/sweep.csv``, ``sweep.png`` and prints a table.
+
+    python benchmarks/sweep.py                       # CPU defaults (S = 2K, 4K, 8K), ~15 minutes on 2 cores
+    python benchmarks/sweep.py --lengths 8192 16384 32768 --hidden 2048 --layers 16 --sp 1 2 4 8   # on GPUs
+
+Each configuration runs in fresh processes (``torchrun``), so a peak is never inherited from the previous one.
+Memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the growth of the process's peak RSS from just before the
+first step to the end (``ru_maxrss``; includes gradients and allocator slack, excludes what existed before
+training). Configurations ("plain sp=1" is the baseline: on CPU Lightning's stock DeepSpeedStrategy refuses to run,
+so it is this strategy with sp_size=1 and every switch off):
+
+* ``plain``: strategy, all memory switches off;  ``alst``: tiled MLP + tiled loss + checkpoint offload;
+* ``deepspeed-loop``: DeepSpeed's own ``UlyssesSPAttentionHF`` + ``deepspeed.initialize``, no Lightning (timing
+  reference for the strategy's overhead, same model, same settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "out"
+SWITCHES = {"plain": {}, "alst": {"tiled_mlp": 4, "tiled_loss": 4, "offload_checkpoints": True}}
+
+
+# ----------------------------------------------------------------------------------------------- worker side
+def _model(args):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.heads, max_position_embeddings=max(args.seq_len, 2048),
+                         attn_implementation="sdpa", pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Probe:
+    """Peak memory growth and step times of this rank."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.times, self.base, self.t0 = cuda, [], 0, 0.0
+
+    def start(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = _rss_bytes()
+        self.t0 = time.perf_counter()
+
+    def step_end(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.times.append(now - self.t0)
+        self.t0 = now
+
+    def peak_growth(self) -> int:
+        import torch
+
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() - self.base
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base
+
+
+def _dataset(args):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(1, args.vocab, (args.steps + 1, args.seq_len), generator=g)
+    return [{"input_ids": r, "labels": r.clone()} for r in rows]
+
+
+def worker_lightning(args) -> dict:
+    import torch
+    from lightning.pytorch import Callback, LightningModule, Trainer
+
+    from lightning_ulysses import UlyssesDeepSpeedStrategy
+
+    cuda = torch.cuda.is_available()
+    probe = _Probe(cuda)
+
+    class Module(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _model(args)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    class Timer(Callback):
+        def on_train_start(self, trainer, pl_module):
+            probe.start()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            probe.step_end()
+
+    trainer = Trainer(accelerator="cuda" if cuda else "cpu", devices=args.sp, max_steps=args.steps,
+                      strategy=UlyssesDeepSpeedStrategy(sp_size=args.sp, stage=2, **SWITCHES[args.config]),
+                      precision="bf16-mixed" if cuda else "32-true", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()])
+    trainer.fit(Module(), torch.utils.data.DataLoader(_dataset(args), batch_size=1))
+    return {"peak_bytes": probe.peak_growth(), "step_times": probe.times}
+
+
+def worker_deepspeed(args) -> dict:
+    """A hand-written DeepSpeed Ulysses loop: DeepSpeed's own HF attention registration and engine, no Lightning."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    cuda = torch.cuda.is_available()
+    deepspeed.init_distributed("nccl" if cuda else "gloo")
+    model = _model(args)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", args.sp, micro_batch_size=1)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+              "zero_allow_untested_optimizer": True, "bf16": {"enabled": cuda}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
+                                      config=config, mpu=mpu)
+    rank, sp = dist.get_rank(), args.sp
+    s = args.seq_len // sp
+    probe = _Probe(cuda)
+    probe.start()
+    for batch in _dataset(args)[: args.steps]:
+        ids = batch["input_ids"][None].to(engine.device)
+        shift = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        cut = slice(rank * s, (rank + 1) * s)
+        logits = engine(input_ids=ids[:, cut], position_ids=torch.arange(args.seq_len, device=ids.device)[None, cut]).logits
+        local = F.cross_entropy(logits.float().flatten(0, 1), shift[0, cut], ignore_index=-100, reduction="sum")
+        count = torch.tensor(float((shift != -100).sum()), device=ids.device)
+        engine.backward(local / count)
+        engine.step()
+        probe.step_end()
+    return {"peak_bytes": probe.peak_growth(), "step_times": probe.times}
+
+
+def worker_main(args) -> None:
+    result = worker_deepspeed(args) if args.config == "deepspeed-loop" else worker_lightning(args)
+    Path(args.result_dir, f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------------------------- driver side
+def run_one(args, config: str, sp: int, seq_len: int) -> dict | None:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={sp}", "--master_port",
+               str(29600 + sp), __file__, "--worker", "--config", config, "--sp", str(sp), "--seq-len", str(seq_len),
+               "--result-dir", tmp, *_model_flags(args)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // sp))}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        files = sorted(Path(tmp).glob("rank*.json"))
+        if proc.returncode != 0 or len(files) != sp:
+            print(f"  {config} sp={sp} S={seq_len}: failed (exit {proc.returncode})\n{proc.stderr[-1500:]}")
+            return None
+        ranks = [json.loads(f.read_text()) for f in files]
+    step = sorted(ranks[0]["step_times"][1:] or ranks[0]["step_times"])  # the first step warms up
+    median = step[len(step) // 2]
+    return {"config": config, "sp": sp, "seq_len": seq_len, "peak_mib_per_rank": max(r["peak_bytes"] for r in ranks) / 2**20,
+            "step_s": median, "tokens_per_s": seq_len / median}
+
+
+def _model_flags(args) -> list[str]:
+    return ["--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
+            "--vocab", str(args.vocab), "--steps", str(args.steps)]
+
+
+def longest_under_budget(rows: list[dict], config: str, sp: int, budget_mib: float) -> int:
+    fits = [r["seq_len"] for r in rows if r["config"] == config and r["sp"] == sp and r["peak_mib_per_rank"] <= budget_mib]
+    return max(fits, default=0)
+
+
+def plot(rows: list[dict], path: Path, budget: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(r["config"], r["sp"]) for r in rows}):
+        points = sorted((r["seq_len"], r["peak_mib_per_rank"]) for r in rows if (r["config"], r["sp"]) == key)
+        ax.plot(*zip(*points), marker="o", label=f"{key[0]} sp={key[1]}")
+    ax.axhline(budget, color="gray", linestyle="--", label=f"budget {budget:.0f} MiB")
+    ax.set(xscale="log", yscale="log", xlabel="global sequence length (tokens)", ylabel="peak training memory per rank (MiB)",
+           title="Per-rank peak memory vs sequence length")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--sp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--configs", nargs="+", default=["plain", "alst", "deepspeed-loop"])
+    parser.add_argument("--budget-mib", type=float, default=1024.0, help="per-rank memory budget for the search")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--timeout", type=int, default=900)
+    # worker-only
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.sp = args.sp[0]
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        worker_main(args)
+        return
+
+    OUT.mkdir(exist_ok=True)
+    rows, start = [], time.time()
+    for seq_len in args.lengths:
+        for sp in args.sp:
+            for config in args.configs:
+                if config == "deepspeed-loop" and sp == 1:
+                    continue  # DeepSpeed's HF Ulysses registration needs sp > 1
+                row = run_one(args, config, sp, seq_len)
+                if row:
+                    rows.append(row)
+                    print(f"  {config:>14} sp={sp} S={seq_len:>6}: {row['peak_mib_per_rank']:8.1f} MiB/rank, "
+                          f"{row['tokens_per_s']:8.0f} tok/s  ({time.time() - start:.0f} s)", flush=True)
+    with open(OUT / "sweep.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, OUT / "sweep.png", args.budget_mib)
+    print(summary(rows, args))
+
+
+def summary(rows: list[dict], args) -> str:
+    lines = ["", "| config | sp | " + " | ".join(f"S={n} MiB/rank (tok/s)" for n in args.lengths) + " |",
+             "|---|---|" + "---|" * len(args.lengths)]
+    for key in sorted({(r["config"], r["sp"]) for r in rows}):
+        cells = []
+        for n in args.lengths:
+            row = next((r for r in rows if (r["config"], r["sp"], r["seq_len"]) == (*key, n)), None)
+            cells.append(f"{row['peak_mib_per_rank']:.0f} ({row['tokens_per_s']:.0f})" if row else "—")
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    lines.append("")
+    base = longest_under_budget(rows, "plain", 1, args.budget_mib)
+    for config, sp in sorted({(r["config"], r["sp"]) for r in rows}):
+        longest = longest_under_budget(rows, config, sp, args.budget_mib)
+        ratio = f" ({longest / base:.1f}× plain sp=1)" if base else ""
+        lines.append(f"longest measured sequence under {args.budget_mib:.0f} MiB/rank: {config} sp={sp}: {longest}{ratio}")
+    by = {(r["config"], r["sp"], r["seq_len"]): r for r in rows}
+    for (config, sp, n), r in sorted(by.items()):
+        if config == "plain" and sp > 1:
+            if (plain1 := by.get(("plain", 1, n))):
+                lines.append(f"S={n}: plain sp={sp} / sp=1 peak memory = {r['peak_mib_per_rank'] / plain1['peak_mib_per_rank']:.2f}")
+            if (loop := by.get(("deepspeed-loop", sp, n))):
+                lines.append(f"S={n}: strategy / hand-written DeepSpeed loop step time (sp={sp}) = {r['step_s'] / loop['step_s']:.3f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
