@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ulysses.attention import UlyssesAttention, ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelThroughputMonitor
+from lightning_ulysses.checkpoint import checkpoint_status, export_checkpoint, find_last_complete_checkpoint
 from lightning_ulysses.data import SequenceShardingCollate, shard_batch
 from lightning_ulysses.layout import SequenceParallelLayout
 from lightning_ulysses.loss import sequence_parallel_cross_entropy
@@ -26,6 +27,9 @@ __all__ = [
     "TokenWeightedPerplexity",
     "UlyssesAttention",
     "UlyssesDeepSpeedStrategy",
+    "checkpoint_status",
+    "export_checkpoint",
+    "find_last_complete_checkpoint",
     "gather_sequence",
     "sequence_parallel_cross_entropy",
     "shard_batch",

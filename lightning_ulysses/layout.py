@@ -149,8 +149,9 @@ class DeepSpeedSequenceParallelGroups:
     def get_sequence_data_parallel_rank(self) -> int:
         return dist.get_rank()
 
-    # No tensor parallelism. DeepSpeed's checkpoint save asks every mpu for its TP degree without the SP-only guard
-    # it uses elsewhere (DeepSpeed's own parallel_state_sp lacks these too and cannot save a checkpoint).
+    # No tensor parallelism: weights are whole on every rank. DeepSpeed's checkpoint save asks every mpu for its TP
+    # degree (without the SP-only guard it uses elsewhere) and fails on an mpu that cannot answer. DeepSpeed's own
+    # parallel_state_sp answers with the SP group, which would record sp as a TP degree in the checkpoint.
     def get_tensor_model_parallel_world_size(self) -> int:
         return 1
 

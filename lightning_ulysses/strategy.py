@@ -378,6 +378,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if self.is_global_zero:
             _checkpoint.begin_checkpoint(filepath, record)  # before DeepSpeed's barrier: no rank has written yet
         hf_models = _checkpoint.hf_model_records(self.lightning_module) if self.lightning_module is not None else {}
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        checkpoint = dict(checkpoint)
+        if trainer is not None and not trainer.training:  # after fit: an epoch cut short by max_steps stays open
+            _checkpoint.continue_truncated_epoch(checkpoint, trainer.num_training_batches)
         checkpoint = {**checkpoint, _checkpoint.CLIENT_STATE_KEY: {**record, "hf_models": hf_models}}
         super().save_checkpoint(checkpoint, filepath)  # ends with DeepSpeed's barrier: every rank's files are written
         if self.is_global_zero:

@@ -1,0 +1,451 @@
+"""Checkpoints of :class:`~lightning_ulysses.UlyssesDeepSpeedStrategy`: completeness, exact resume, portable export.
+
+A checkpoint is Lightning's DeepSpeed checkpoint: a *directory* (``epoch=0-step=8.ckpt/``) that every rank writes its
+ZeRO shard into. On top of it the strategy keeps three promises:
+
+* **Complete or rejected.** Before any rank writes, rank 0 puts ``ulysses_checkpoint.json`` with ``"complete": false``
+  into the directory; once every rank has written (DeepSpeed's closing barrier), it replaces it atomically with the
+  list of files and their sizes and ``"complete": true``. A run killed while saving leaves a directory that
+  :func:`checkpoint_status` reports incomplete, that :func:`find_last_complete_checkpoint` skips and that the
+  strategy refuses to load. (DeepSpeed's own ``latest`` file is no such marker: rank 0 writes it without waiting for
+  the other ranks.)
+* **Exact resume.** The train DataLoader remembers how many batches of which epoch it has handed out
+  (:class:`ResumableLoaderMixin`); Lightning saves that with the checkpoint and, on ``fit(ckpt_path=...)``, the
+  loader skips exactly those batches of the restored epoch at the index level (no sample is loaded to be thrown
+  away). Without it Lightning restarts a mid-epoch checkpoint's epoch at its first batch and ends it early.
+* **Portable export.** :func:`export_checkpoint` turns a (ZeRO-sharded) checkpoint into one fp32 ``state_dict`` file
+  and, for every Hugging Face model in the LightningModule, a ``save_pretrained`` directory with a plain config
+  (the original attention, ``use_cache`` as before training), loadable without this package, DeepSpeed or SP.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_ulysses import hf
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+MARKER = "ulysses_checkpoint.json"
+CLIENT_STATE_KEY = "ulysses"  # the strategy's record inside Lightning's checkpoint dict (layout, HF models)
+FORMAT_VERSION = 1
+_TAG = "checkpoint"  # the DeepSpeed tag Lightning's DeepSpeedStrategy always uses
+
+
+# ----------------------------------------------------------------------------------------------- completeness
+def begin_checkpoint(path: PathLike, record: dict[str, Any]) -> None:
+    """Mark ``path`` as being written (rank 0, before any rank writes into it)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _write_json_atomically(path / MARKER, {"format": FORMAT_VERSION, "complete": False, **record})
+
+
+def commit_checkpoint(path: PathLike, record: dict[str, Any]) -> None:
+    """Mark ``path`` complete (rank 0, after every rank has written): the files and their sizes, then ``complete``."""
+    path = Path(path)
+    files = {
+        str(f.relative_to(path)): f.stat().st_size
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name != MARKER and not f.name.startswith(f".{MARKER}")
+    }
+    _write_json_atomically(path / MARKER, {"format": FORMAT_VERSION, "complete": True, **record, "files": files})
+
+
+def _write_json_atomically(target: Path, content: dict[str, Any]) -> None:
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(content, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    _fsync_directory(target.parent)
+
+
+def _fsync_directory(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_marker(path: PathLike) -> Optional[dict[str, Any]]:
+    """The content of a checkpoint's ``ulysses_checkpoint.json``; ``None`` if it has none (or it is unreadable)."""
+    marker = Path(path) / MARKER
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def checkpoint_status(path: PathLike) -> tuple[bool, str]:
+    """``(True, "")`` if ``path`` is a complete checkpoint written by this strategy, else ``(False, why)``.
+
+    Complete means: the marker says so, every file it lists exists with the recorded size, and DeepSpeed's ``latest``
+    names a tag directory that exists.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return False, f"{path} is not a directory (UlyssesDeepSpeedStrategy checkpoints are directories)"
+    marker = read_marker(path)
+    if marker is None:
+        return False, f"{path} has no {MARKER}: it was not written (to the end) by UlyssesDeepSpeedStrategy"
+    if not marker.get("complete"):
+        return False, (f"{path} is incomplete: its writing started but never finished (the run stopped while saving,"
+                       " e.g. a rank was killed)")
+    for name, size in marker.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return False, f"{path} is incomplete: {name} is missing"
+        if file.stat().st_size != size:
+            return False, f"{path} is corrupt: {name} has {file.stat().st_size} bytes, {size} were written"
+    latest = path / "latest"
+    if not latest.is_file() or not (path / latest.read_text().strip()).is_dir():
+        return False, f"{path} is incomplete: DeepSpeed's `latest` file or its tag directory is missing"
+    return True, ""
+
+
+def is_complete_checkpoint(path: PathLike) -> bool:
+    return checkpoint_status(path)[0]
+
+
+def find_last_complete_checkpoint(dirpath: PathLike) -> Optional[Path]:
+    """The complete checkpoint in ``dirpath`` (e.g. ``ModelCheckpoint.dirpath``) with the highest global step (the
+    newest one on a tie); ``None`` if there is none. Incomplete ones (a run killed while saving) are skipped.
+
+    ``trainer.fit(model, ckpt_path=find_last_complete_checkpoint(dirpath))`` resumes after a crash. Lightning's own
+    ``ckpt_path="last"`` picks the newest ``*.ckpt`` by modification time, complete or not.
+    """
+    dirpath = Path(dirpath)
+    if not dirpath.is_dir():
+        return None
+    best: Optional[tuple[int, float, Path]] = None
+    for candidate in dirpath.iterdir():
+        if not is_complete_checkpoint(candidate):
+            continue
+        marker = read_marker(candidate) or {}
+        key = (int(marker.get("global_step", -1)), (candidate / MARKER).stat().st_mtime, candidate)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    return None if best is None else best[2]
+
+
+def validate_for_loading(path: PathLike, world_size: int) -> Optional[dict[str, Any]]:
+    """Raise a ``ValueError`` if ``path`` cannot be resumed by ``world_size`` ranks; return its marker.
+
+    A checkpoint without a marker was not written by this strategy (e.g. by Lightning's ``DeepSpeedStrategy``): it
+    is left to DeepSpeed to load or reject.
+    """
+    path = Path(path)
+    marker = read_marker(path)
+    if marker is None:
+        return None
+    complete, why = checkpoint_status(path)
+    if not complete:
+        raise ValueError(
+            f"Cannot resume from this checkpoint: {why}. Resume from the last complete one:"
+            f" `ckpt_path=lightning_ulysses.find_last_complete_checkpoint({str(path.parent)!r})`."
+        )
+    saved_world = marker.get("world_size")
+    if marker.get("zero_stage", 0) > 0 and saved_world is not None and saved_world != world_size:
+        raise ValueError(
+            f"{path} was saved by {saved_world} ranks (dp={marker.get('dp_size')} × sp={marker.get('sp_size')}) and"
+            f" this run has {world_size}: a ZeRO stage-{marker['zero_stage']} checkpoint holds one optimizer shard per"
+            f" rank and resumes only on the same number of ranks ({saved_world}), with any dp × sp split of them."
+            " To continue on another number of ranks, export the weights with"
+            " `lightning_ulysses.export_checkpoint(...)` and start a new fit from them (the optimizer state is lost)."
+        )
+    return marker
+
+
+# ----------------------------------------------------------------------------------------------- what is recorded
+def hf_model_records(root: nn.Module) -> dict[str, dict[str, Any]]:
+    """For every Hugging Face model in ``root``: its attribute path, class and *plain* config (as before the
+    strategy prepared it: original attention, original ``use_cache``), so an export can rebuild it."""
+    records: dict[str, dict[str, Any]] = {}
+    found = {id(m): m for m in hf.find_pretrained_models(root)}
+    for name, module in root.named_modules():
+        if id(module) not in found:
+            continue
+        config = module.config.to_dict()
+        saved = module.__dict__.get(getattr(hf, "_SAVED", "_ulysses_saved_state"))
+        if saved is not None and getattr(saved, "use_cache", None) is not None:
+            config["use_cache"] = saved.use_cache
+        records[name] = {
+            "class": f"{type(module).__module__}.{type(module).__qualname__}",
+            "config": config,
+            "attn_implementation": hf.attention_implementation(module),
+        }
+    return records
+
+
+# ----------------------------------------------------------------------------------------------- data position
+class _SkipFirst:
+    """A batch sampler without its first ``skip`` batches (their indices are never handed to the dataset)."""
+
+    def __init__(self, batch_sampler: Any, skip: int) -> None:
+        self.batch_sampler = batch_sampler
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.batch_sampler)
+        for _ in range(self.skip):
+            if next(iterator, None) is None:
+                return
+        yield from iterator
+
+    def __len__(self) -> int:
+        return max(len(self.batch_sampler) - self.skip, 0)
+
+
+def _sampler_epoch(loader: Any) -> Optional[int]:
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if hasattr(sampler, "epoch"):
+            return int(sampler.epoch)
+    return None
+
+
+def _global_batch(loader: Any) -> Optional[int]:
+    """Samples per step over all replicas: the loader's batch size × the sampler's number of replicas."""
+    batch_size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size",
+                                                                 None)
+    if batch_size is None:
+        return None
+    sampler = getattr(loader, "sampler", None)
+    return int(batch_size) * int(getattr(sampler, "num_replicas", 1))
+
+
+class ResumableLoaderMixin:
+    """A train DataLoader that knows its position: ``state_dict()`` gives the epoch (its sampler's) and the number of
+    batches handed out in it; after ``load_state_dict()``, the next iteration of *that* epoch skips those batches.
+
+    Lightning saves the state of such ("stateful") loaders in the checkpoint and loads it on resume before iterating.
+    The first batches are skipped in the batch sampler, so their samples are never loaded. A checkpoint saved at the
+    end of an epoch resumes with the next epoch, unskipped.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        epoch, batches = self.__dict__.get("_ulysses_position", (None, 0))
+        return {"epoch": epoch, "batches": batches, "global_batch": _global_batch(self)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved, current = state.get("global_batch"), _global_batch(self)
+        if state.get("batches") and saved is not None and current is not None and saved != current:
+            raise ValueError(
+                f"The checkpoint was taken {state['batches']} batches into an epoch with {saved} samples per step"
+                f" (micro-batch × data-parallel replicas); this run reads {current} per step, so its position in the"
+                " epoch cannot be restored exactly. Resume with the same global batch size (e.g. dp2×sp1 with"
+                " batch_size=1 ↔ dp1×sp2 with batch_size=2), or from a checkpoint taken at the end of an epoch."
+            )
+        self.__dict__["_ulysses_resume"] = dict(state)
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: this body runs at the first next(), after Lightning has set the sampler's epoch.
+        epoch = _sampler_epoch(self)
+        resume = self.__dict__.pop("_ulysses_resume", None)
+        skip = 0
+        if resume and resume.get("batches") and resume.get("epoch") == epoch:
+            skip = int(resume["batches"])
+            if skip >= len(self):  # type: ignore[arg-type]
+                skip = 0  # the epoch was complete: Lightning has moved on to the next one
+        self.__dict__["_ulysses_skip"] = skip
+        try:
+            iterator = super().__iter__()  # type: ignore[misc]
+            first = next(iterator, _END)  # the DataLoader's iterator reads _index_sampler when it starts
+        finally:
+            self.__dict__["_ulysses_skip"] = 0
+        position = skip
+        while first is not _END:
+            position += 1
+            self.__dict__["_ulysses_position"] = (epoch, position)
+            yield first
+            first = next(iterator, _END)
+
+    @property
+    def _index_sampler(self) -> Any:
+        sampler = super()._index_sampler  # type: ignore[misc]
+        skip = self.__dict__.get("_ulysses_skip", 0)
+        return _SkipFirst(sampler, skip) if skip else sampler
+
+
+_END = object()
+
+
+def continue_truncated_epoch(checkpoint: dict[str, Any], batches_per_epoch: float) -> bool:
+    """Make a checkpoint taken after ``fit`` stopped inside an epoch (``max_steps``, ``trainer.should_stop``) resume
+    *inside* that epoch, at its next batch, as a checkpoint taken during the epoch does.
+
+    Lightning closes an epoch that ``max_steps`` cut short like a finished one (``epoch_progress`` completed), so a
+    ``trainer.save_checkpoint`` after such a ``fit`` would resume with the next epoch and skip the rest of this one.
+    When the train loader's recorded position confirms the epoch is unfinished, the epoch's "processed/completed"
+    counts are taken back (and ``epoch``); nothing else changes. Returns whether the checkpoint was changed.
+    """
+    loops = checkpoint.get("loops") or {}
+    fit = loops.get("fit_loop")
+    if not fit or not batches_per_epoch or batches_per_epoch == float("inf"):
+        return False
+    try:
+        epochs = fit["epoch_progress"]
+        batches = fit["epoch_loop.batch_progress"]
+        loaders = fit.get("state_dict", {}).get("combined_loader") or []
+    except (KeyError, TypeError):
+        return False
+    done_in_epoch = batches["current"]["completed"]
+    closed = all(p["ready"] == p["started"] == p["processed"] == p["completed"] > 0
+                 for p in (epochs["current"], epochs["total"]))
+    cut_short = (0 < done_in_epoch < batches_per_epoch and batches["current"]["ready"] == done_in_epoch
+                 and not batches.get("is_last_batch"))
+    position_known = len(loaders) == 1 and loaders[0].get("batches") == done_in_epoch
+    if not (closed and cut_short and position_known):
+        return False
+    fit = {**fit, "epoch_progress": {k: {**v, "processed": v["processed"] - 1, "completed": v["completed"] - 1}
+                                     for k, v in epochs.items()}}
+    checkpoint["loops"] = {**loops, "fit_loop": fit}
+    checkpoint["epoch"] = checkpoint.get("epoch", 1) - 1
+    return True
+
+
+def install_resumable_loader(dataloader: Any) -> Any:
+    """The same train DataLoader (sampler, collate, workers, state) as an instance of a subclass with
+    :class:`ResumableLoaderMixin`; loaders over an ``IterableDataset`` (no index to skip to) are returned unchanged."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return dataloader
+    cls = type(dataloader)
+    if issubclass(cls, ResumableLoaderMixin):
+        return dataloader
+    resumable_cls = type(f"Resumable{cls.__name__}", (ResumableLoaderMixin, cls), {})
+    resumable = resumable_cls.__new__(resumable_cls)
+    resumable.__dict__.update(dataloader.__dict__)
+    return resumable
+
+
+# ----------------------------------------------------------------------------------------------- export
+def consolidated_state_dict(checkpoint: PathLike, tag: Optional[str] = None) -> tuple[dict[str, torch.Tensor],
+                                                                                      dict[str, Any]]:
+    """``(fp32 state_dict, Lightning's client state)`` of a DeepSpeed checkpoint directory at any ZeRO stage, on CPU,
+    in one process (no DeepSpeed engine, no process group). The state_dict keys are the LightningModule's."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    checkpoint = Path(checkpoint)
+    if tag is None:
+        latest = checkpoint / "latest"
+        tag = latest.read_text().strip() if latest.is_file() else _TAG
+    ds_dir = checkpoint / tag
+    if not ds_dir.is_dir():
+        raise FileNotFoundError(f"{checkpoint} is not a DeepSpeed checkpoint directory (no {tag}/ inside)")
+    model_files = sorted(ds_dir.glob("*model_states.pt"))
+    if not model_files:
+        raise FileNotFoundError(f"No *model_states.pt in {ds_dir}")
+    rank0_file = ds_dir / ("mp_rank_00_model_states.pt" if (ds_dir / "mp_rank_00_model_states.pt").is_file()
+                           else "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    client_state = torch.load(rank0_file, map_location="cpu", weights_only=False)
+    if any(ds_dir.glob("*optim_states.pt")):  # ZeRO 1-3: the fp32 master weights live in the optimizer shards
+        state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag)
+    else:  # ZeRO 0: rank 0 saved the whole module
+        state_dict = client_state["module"]
+    state_dict = {_strip(k, "_forward_module."): (v.float() if v.is_floating_point() else v).cpu()
+                  for k, v in state_dict.items()}
+    deepspeed_keys = {"module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps",
+                      "global_steps", "global_samples", "dp_world_size", "mp_world_size", "buffer_names",
+                      "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
+                      "ds_config", "ds_version", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+                      "parallel_dims"}
+    client_state = {k: v for k, v in client_state.items() if k not in deepspeed_keys}
+    return state_dict, client_state
+
+
+def _strip(key: str, prefix: str) -> str:
+    return key[len(prefix):] if key.startswith(prefix) else key
+
+
+def _import(qualified: str) -> Any:
+    module, _, name = qualified.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def export_checkpoint(
+    checkpoint: PathLike,
+    output_dir: PathLike,
+    hf_models: Optional[dict[str, Union[nn.Module, Callable[[], nn.Module]]]] = None,
+    tag: Optional[str] = None,
+) -> dict[str, Any]:
+    """Export a checkpoint of :class:`~lightning_ulysses.UlyssesDeepSpeedStrategy` (a directory, ZeRO-sharded or not)
+    into files that load without DeepSpeed, sequence parallelism or this package. One process, CPU, no GPU needed.
+
+    Writes into ``output_dir``:
+
+    * ``model.pt``: ``torch.load`` gives Lightning's checkpoint dict with a consolidated fp32 ``state_dict`` (the
+      LightningModule's keys) and the training state Lightning saved (``epoch``, ``global_step``,
+      ``hyper_parameters``, ...), so ``MyModule.load_from_checkpoint("out/model.pt")`` and
+      ``module.load_state_dict(torch.load("out/model.pt")["state_dict"])`` both work.
+    * ``<name>/`` for every Hugging Face ``PreTrainedModel`` in the LightningModule (``name`` is its attribute path,
+      e.g. ``model``): a ``save_pretrained`` directory in fp32 with a plain config (no Ulysses attention, the original
+      ``use_cache``): ``AutoModelForCausalLM.from_pretrained("out/model")``. The models are rebuilt from what the
+      strategy recorded in the checkpoint; ``hf_models={"model": LlamaForCausalLM(config)}`` (an instance or a
+      factory) exports a checkpoint that has no record (e.g. one saved by Lightning's ``DeepSpeedStrategy``).
+
+    Returns ``{"state_dict": Path, "hf": {name: Path}, "global_step": int}``.
+    """
+    checkpoint, output_dir = Path(checkpoint), Path(output_dir)
+    marker = read_marker(checkpoint)
+    if marker is not None:
+        complete, why = checkpoint_status(checkpoint)
+        if not complete:
+            raise ValueError(f"Cannot export: {why}.")
+    state_dict, client_state = consolidated_state_dict(checkpoint, tag)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    state_file = output_dir / "model.pt"
+    torch.save({**client_state, "state_dict": state_dict}, state_file)
+
+    record = client_state.get(CLIENT_STATE_KEY, {}) or {}
+    targets: dict[str, Any] = dict(record.get("hf_models", {}))
+    targets.update(hf_models or {})
+    exported: dict[str, Path] = {}
+    for name, target in targets.items():
+        model = _build_hf_model(target)
+        prefix = f"{name}." if name else ""
+        weights = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        if not weights:
+            raise KeyError(f"The checkpoint has no weights under {prefix!r} for the Hugging Face model {name!r}.")
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        tied = set(getattr(model, "_tied_weights_keys", None) or ())
+        missing = [k for k in missing if k not in tied]
+        if missing or unexpected:
+            raise KeyError(f"The checkpoint's weights under {prefix!r} do not fit {type(model).__name__}:"
+                           f" missing {missing}, unexpected {unexpected}.")
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.tie_weights()
+        hf.restore_model(model)  # a model handed in prepared for SP is plain again
+        target_dir = output_dir / (name or "hf_model")
+        model.save_pretrained(target_dir)
+        exported[name] = target_dir
+    return {"state_dict": state_file, "hf": exported, "global_step": client_state.get("global_step")}
+
+
+def _build_hf_model(target: Any) -> nn.Module:
+    if isinstance(target, nn.Module):
+        return target
+    if callable(target):
+        return target()
+    model_class = _import(target["class"])
+    config_dict = dict(target["config"])
+    config = model_class.config_class.from_dict(config_dict)
+    impl = target.get("attn_implementation") or "sdpa"
+    try:
+        return model_class._from_config(config, attn_implementation=impl, dtype=torch.float32)
+    except (ImportError, ValueError):  # e.g. flash-attn is not installed here: the weights do not care
+        return model_class._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
