@@ -193,15 +193,17 @@ def hf_model_records(root: nn.Module) -> dict[str, dict[str, Any]]:
 
 # ----------------------------------------------------------------------------------------------- data position
 class _SkipFirst:
-    """A batch sampler without its first ``skip`` batches (their indices are never handed to the dataset)."""
+    """A batch sampler without its first ``skip`` batches (their indices are never handed to the dataset), once: a
+    DataLoader iterator with persistent workers keeps this object and iterates it again every epoch."""
 
     def __init__(self, batch_sampler: Any, skip: int) -> None:
         self.batch_sampler = batch_sampler
         self.skip = skip
 
     def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
         iterator = iter(self.batch_sampler)
-        for _ in range(self.skip):
+        for _ in range(skip):
             if next(iterator, None) is None:
                 return
         yield from iterator

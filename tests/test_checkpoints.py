@@ -312,3 +312,63 @@ def test_export_zero2_state_dict_loads_into_the_lightning_module(zero2, root, tm
 def test_export_refuses_an_incomplete_checkpoint(killed, tmp_path):
     with pytest.raises(ValueError, match="Cannot export: .* is incomplete"):
         export_checkpoint(killed["dir"] / "step=8.ckpt", tmp_path / "export")
+
+
+# ----------------------------------------------------------------------------------------------- the loader alone
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "persistent-worker"])
+def test_resumable_loader_skips_the_saved_batches_once(workers):
+    """In one process, no Trainer: the loader's state after 2 batches, a new loader resuming from it (the skipped
+    samples are never read), the next epoch whole; with a persistent worker too (its iterator is reused per epoch)."""
+    from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+    from lightning_ulysses.checkpoint import install_resumable_loader
+
+    class Reads(Dataset):
+        def __init__(self) -> None:
+            self.read: list[int] = []
+
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> int:
+            self.read.append(i)
+            return i
+
+    def make_loader(batch_size: int = 2):
+        dataset = Reads()
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+                            persistent_workers=workers > 0)
+        return install_resumable_loader(loader), sampler, dataset
+
+    def order(epoch: int) -> list[list[int]]:
+        perm = torch.randperm(8, generator=torch.Generator().manual_seed(3 + epoch)).tolist()
+        return [perm[i:i + 2] for i in range(0, 8, 2)]
+
+    first, sampler, _ = make_loader()
+    sampler.set_epoch(0)
+    iterator = iter(first)
+    assert [next(iterator).tolist() for _ in range(2)] == order(0)[:2]
+    state = first.state_dict()
+    assert state == {"epoch": 0, "batches": 2, "global_batch": 2}
+
+    resumed, sampler, dataset = make_loader()
+    resumed.load_state_dict(state)
+    assert len(resumed) == 4
+    sampler.set_epoch(0)
+    assert [b.tolist() for b in resumed] == order(0)[2:]
+    if workers == 0:
+        assert sorted(dataset.read) == sorted(i for b in order(0)[2:] for i in b)  # the skipped rows were not read
+    sampler.set_epoch(1)
+    assert [b.tolist() for b in resumed] == order(1)
+    assert resumed.state_dict() == {"epoch": 1, "batches": 4, "global_batch": 2}
+
+    # A state saved at the end of an epoch skips nothing in the next one.
+    after_epoch, sampler, _ = make_loader()
+    after_epoch.load_state_dict(resumed.state_dict())
+    sampler.set_epoch(2)
+    assert [b.tolist() for b in after_epoch] == order(2)
+
+    other_batch, _, _ = make_loader(batch_size=1)
+    with pytest.raises(ValueError, match="2 samples per step.*reads 1 per step"):
+        other_batch.load_state_dict(state)
