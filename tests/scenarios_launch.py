@@ -1,0 +1,142 @@
+"""Scenarios for the launcher tests (``tests/test_launchers.py``, ``tests/test_cli.py``).
+
+* :func:`fit_runs`: parity fits with the world taken from whatever launched the process (SLURM variables, torchrun),
+  returning what the parity checks need plus the cluster environment Lightning chose, the ranks it read, the node of
+  every rank of the SP group, and the warnings of each fit. Run by ``tests/launcher.py``
+  (``launch(N, "tests.scenarios_launch:fit_runs", ...)``) or, under torchrun, as this module's ``__main__``:
+  ``python -m torch.distributed.run --nproc_per_node=2 -m tests.scenarios_launch PAYLOAD OUT_DIR`` (each rank writes
+  ``OUT_DIR/rank<RANK>.pkl``).
+* :class:`LaunchReport`: a callback the CLI tests add with ``--trainer.callbacks+=tests.scenarios_launch.LaunchReport``;
+  every rank writes what it ran with to ``out_dir/rank<global_rank>.json``.
+
+``ULYSSES_TEST_UNSET_ENV`` (comma-separated names) is removed from the environment before Lightning is imported: the
+simulated SLURM job must not carry the torchrun-style variables ``tests/launcher.py`` sets for every process.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _name in filter(None, os.environ.pop("ULYSSES_TEST_UNSET_ENV", "").split(",")):
+    os.environ.pop(_name, None)
+
+import json  # noqa: E402
+import pickle  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch import Callback, seed_everything  # noqa: E402
+
+from lightning_ulysses import UlyssesDeepSpeedStrategy  # noqa: E402
+from tests.models import SEED, CausalLM, TokenDataset, tiny_llama_config  # noqa: E402
+from tests.scenarios import AttentionShapeSpy, Recorder, make_trainer  # noqa: E402
+
+
+def _environment(trainer) -> dict[str, Any]:
+    strategy = trainer.strategy
+    env = strategy.cluster_environment
+    node_ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(node_ranks, strategy.node_rank)  # the node each global rank says it is on
+    return {
+        "cluster_environment": type(env).__name__,
+        "creates_processes_externally": env.creates_processes_externally,
+        "world_size": trainer.world_size,
+        "global_rank": trainer.global_rank,
+        "local_rank": trainer.local_rank,
+        "node_rank": trainer.node_rank,
+        "num_nodes": trainer.num_nodes,
+        "devices_per_node": strategy.num_processes,
+        "dist_rank": dist.get_rank(),
+        "node_of_rank": node_ranks,
+        "sp_group": strategy.layout.sp_group_ranks(),
+        "sp_rank": strategy.sp_rank,
+        "dp_rank": strategy.dp_rank,
+        "dp_size": strategy.dp_size,
+    }
+
+
+def fit_runs(payload: dict) -> dict:
+    """SGD fits, each a dict of tests/test_parity.py's ``_run`` form plus ``trainer`` kwargs (devices, num_nodes)."""
+    results = []
+    for run in payload["runs"]:
+        seed_everything(SEED, verbose=False)
+        config = tiny_llama_config(num_kv_heads=run["kv_heads"])
+        dataset = TokenDataset(run["num_rows"], run["seq_len"])
+        module = CausalLM(config, lr=run["lr"], dataset=dataset, batch_size=run["batch_size"])
+        recorder = Recorder()
+        strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"])
+        trainer = make_trainer(strategy, run["steps"], callbacks=[recorder], **run.get("trainer", {}))
+        with warnings.catch_warnings(record=True) as caught, AttentionShapeSpy() as spy:
+            warnings.simplefilter("always")
+            trainer.fit(module)
+        results.append({
+            "losses": recorder.losses,
+            "logged_loss": trainer.callback_metrics["train_loss"].item(),
+            "input_shapes": recorder.input_shapes,
+            "attention_query_shapes": sorted(spy.shapes),
+            "weights": ({k: v.float().cpu() for k, v in recorder.weights.items()} if dist.get_rank() == 0 else None),
+            "train_batch_size": recorder.train_batch_size,
+            "environment": _environment(trainer),
+            "warnings": [str(w.message) for w in caught],
+        })
+    return {"runs": results}
+
+
+class LaunchReport(Callback):
+    """Writes, per rank, the strategy it trained with, the launch it saw and the steps it ran (JSON).
+
+    Args:
+        out_dir: Folder for ``rank<global_rank>.json``.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.losses: list[float] = []
+        self.input_shapes: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.input_shapes.append(list(batch["input_ids"].shape))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        zero = strategy.config["zero_optimization"]
+        report = {
+            "strategy_class": f"{type(strategy).__module__}.{type(strategy).__qualname__}",
+            "sp_size": strategy.sp_size,
+            "requested_sp_size": strategy._requested_sp_size,
+            "stage": zero["stage"],
+            "offload_optimizer": "offload_optimizer" in zero,
+            "launcher": type(strategy.launcher).__name__ if strategy.launcher is not None else None,
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "seq_len": trainer.datamodule.seq_len if trainer.datamodule is not None else None,
+            "losses": self.losses,
+            "input_shapes": self.input_shapes,
+            "global_step": trainer.global_step,
+            **{k: v for k, v in _environment(trainer).items()},
+        }
+        Path(self.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+def _torchrun_main() -> None:
+    payload_path, out_dir = sys.argv[1:3]
+    rank = os.environ["RANK"]  # set by torchrun; read before Lightning's teardown edits the environment
+    with open(payload_path, "rb") as f:
+        payload = pickle.load(f)
+    result = fit_runs(payload)
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    _torchrun_main()
