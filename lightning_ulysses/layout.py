@@ -127,6 +127,7 @@ class DeepSpeedSequenceParallelGroups:
 
     def __init__(self, layout: SequenceParallelLayout) -> None:
         self._layout = layout
+        self._single_rank_group: Optional[dist.ProcessGroup] = None
 
     def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:  # marker read by DeepSpeed
         raise RuntimeError("The groups are owned by UlyssesDeepSpeedStrategy's layout; they are never re-created.")
@@ -157,3 +158,16 @@ class DeepSpeedSequenceParallelGroups:
 
     def get_tensor_model_parallel_rank(self) -> int:
         return 0
+
+    # No model parallelism either. DeepSpeed's ZeRO-0 gradient clipping sums the squared norm over the model-parallel
+    # group; under SP every rank already holds the whole (reduced) gradient, so that group must be this rank alone.
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        if self._single_rank_group is None:  # collective: every rank gets here in the same clipping call
+            self._single_rank_group, _ = dist.new_subgroups(group_size=1)
+        return self._single_rank_group

@@ -98,7 +98,7 @@ def lightning_order(num_rows: int, seed: int = SEED) -> list[int]:
 
 
 def train_single_device(config, dataset: TokenDataset, global_batch: int, steps: int, lr: float = 0.5,
-                        init_seed: int = 0) -> dict[str, Any]:
+                        init_seed: int = 0, clip_norm: Optional[float] = None) -> dict[str, Any]:
     """The reference: plain PyTorch + transformers on one process, SGD, the same sample order as Lightning."""
     model = build_llama(config, init_seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -109,6 +109,8 @@ def train_single_device(config, dataset: TokenDataset, global_batch: int, steps:
         batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
         loss = model(**batch).loss
         loss.backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

@@ -33,6 +33,9 @@ VARIANT_RUNS = {
     for stage in (2, 3)
     for name, options in {"own-loss": {"own_loss": True}, "empty-shard": {"ignore_after": SEQ_LEN // 2}}.items()
 }
+# Gradient clipping by norm (DeepSpeed clips inside its engine; the norm must count each gradient once, not sp times).
+VARIANT_RUNS.update({f"clip-zero{stage}": _run(stage, 2, sp_size=2, batch_size=1, num_rows=STEPS,
+                                               trainer={"gradient_clip_val": 0.05}) for stage in (0, 2, 3)})
 DP2_SP2_RUNS = [_run(stage, 2, sp_size=2, batch_size=2, num_rows=4 * STEPS) for stage in (2, 3)]
 
 
@@ -66,7 +69,8 @@ def update_rel_diff(weights: dict, reference: dict, initial: dict) -> float:
 def check_against_reference(run: dict, results: list[dict], global_batch: int) -> None:
     config = tiny_llama_config(num_kv_heads=run["kv_heads"], num_heads=run.get("num_heads", 4))
     dataset = TokenDataset(run["num_rows"], SEQ_LEN, ignore_after=run.get("ignore_after"))
-    reference = train_single_device(config, dataset, global_batch, STEPS, LR)
+    clip = run.get("trainer", {}).get("gradient_clip_val")
+    reference = train_single_device(config, dataset, global_batch, STEPS, LR, clip_norm=clip)
     initial = dict(build_llama(config).named_parameters())
     sp = run["sp_size"]
     for rank, result in enumerate(results):
