@@ -218,7 +218,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--configs", nargs="+", default=["plain", "alst", "deepspeed-loop"])
-    parser.add_argument("--budget-mib", type=float, default=1024.0, help="per-rank memory budget for the search")
+    parser.add_argument("--budget-mib", type=float, default=2400.0, help="per-rank memory budget for the search")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
