@@ -140,7 +140,11 @@ def worker_deepspeed(args) -> dict:
     deepspeed.init_distributed("nccl" if cuda else "gloo")
     model = _model(args)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", args.sp, micro_batch_size=1)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+    # The ZeRO settings Lightning's DeepSpeedStrategy uses by default, so only the framework differs.
+    zero = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "allgather_partitions": True,
+            "reduce_scatter": True, "allgather_bucket_size": 200_000_000, "reduce_bucket_size": 200_000_000,
+            "sub_group_size": 1_000_000_000_000}
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
               "zero_allow_untested_optimizer": True, "bf16": {"enabled": cuda}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
                                       config=config, mpu=mpu)
