@@ -121,7 +121,8 @@ def worker_lightning(args) -> dict:
             probe.step_end()
 
     trainer = Trainer(accelerator="cuda" if cuda else "cpu", devices=args.sp, max_steps=args.steps,
-                      strategy=UlyssesDeepSpeedStrategy(sp_size=args.sp, stage=2, **SWITCHES[args.config]),
+                      strategy=UlyssesDeepSpeedStrategy(sp_size=args.sp, stage=2, reduce_bucket_size=args.bucket,
+                                                        allgather_bucket_size=args.bucket, **SWITCHES[args.config]),
                       precision="bf16-mixed" if cuda else "32-true", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()])
     trainer.fit(Module(), torch.utils.data.DataLoader(_dataset(args), batch_size=1))
@@ -142,7 +143,7 @@ def worker_deepspeed(args) -> dict:
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", args.sp, micro_batch_size=1)
     # The ZeRO settings Lightning's DeepSpeedStrategy uses by default, so only the framework differs.
     zero = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "allgather_partitions": True,
-            "reduce_scatter": True, "allgather_bucket_size": 200_000_000, "reduce_bucket_size": 200_000_000,
+            "reduce_scatter": True, "allgather_bucket_size": args.bucket, "reduce_bucket_size": args.bucket,
             "sub_group_size": 1_000_000_000_000}
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
               "zero_allow_untested_optimizer": True, "bf16": {"enabled": cuda}}
@@ -191,7 +192,7 @@ def run_one(args, config: str, sp: int, seq_len: int) -> dict | None:
 
 def _model_flags(args) -> list[str]:
     return ["--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
-            "--vocab", str(args.vocab), "--steps", str(args.steps)]
+            "--vocab", str(args.vocab), "--steps", str(args.steps), "--bucket", str(args.bucket)]
 
 
 def longest_under_budget(rows: list[dict], config: str, sp: int, budget_mib: float) -> int:
@@ -229,6 +230,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--bucket", type=int, default=200_000_000,
+                        help="ZeRO reduce/allgather bucket size in elements (Lightning's default 2e8 = 800 MB of fp32"
+                             " buffers, allocated in the first step, which the memory growth includes)")
     # worker-only
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)

@@ -96,8 +96,7 @@ def _memory_forward(model: nn.Module, features: MemoryFeatures, context: Optiona
 
     def forward(*args: Any, labels: Optional[torch.Tensor] = None, shift_labels: Optional[torch.Tensor] = None,
                 **kwargs: Any):
-        saving = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
-                  if features.offload_checkpoints and torch.is_grad_enabled() else _null())
+        saving = _offload_to_host() if features.offload_checkpoints and torch.is_grad_enabled() else _null()
         with saving:
             if not features.tiled_loss or (labels is None and shift_labels is None):
                 return original(*args, labels=labels, shift_labels=shift_labels, **kwargs)
@@ -114,6 +113,26 @@ def _memory_forward(model: nn.Module, features: MemoryFeatures, context: Optiona
             return CausalLMOutputWithPast(loss=loss, logits=None)
 
     return forward
+
+
+def _offload_to_host() -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved tensors on an accelerator move to (pinned) host memory until backward; host tensors stay as they are
+    (``torch.autograd.graph.save_on_cpu`` would copy them, doubling what it should save)."""
+
+    def pack(tensor: torch.Tensor):
+        if tensor.device.type == "cpu":
+            return tensor
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return tensor.device, host
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 class _null:
