@@ -7,7 +7,7 @@
   The normalisation happens on the summed loss *outside* the chunks, through autograd (DeepSpeed's
   ``TiledFusedLogitsLoss`` computes weight gradients inside its forward, where a later scale is lost).
 * **Checkpoint offload**: decoder layers run under activation checkpointing (``use_reentrant=False``) and the tensors
-  autograd keeps (the layer inputs) move to CPU memory until backward (``torch.autograd.graph.save_on_cpu``).
+  autograd keeps (the layer inputs) move to host memory until backward (tensors already on the host stay put).
 """
 
 from __future__ import annotations
