@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses.context import ShardInfo, StepContext

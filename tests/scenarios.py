@@ -7,8 +7,6 @@ world taken from the torchrun-style environment) and returns plain data for the 
 from __future__ import annotations
 
 import os
-import pickle
-import sys
 from typing import Any
 
 import torch
@@ -94,36 +92,39 @@ def make_trainer(strategy, max_steps: int, callbacks=(), **kwargs) -> Trainer:
     return Trainer(**defaults)
 
 
+def fit_one(run: dict) -> tuple[dict, Trainer]:
+    """One SGD fit described by a dict (stage, kv_heads, batch_size, steps, seq_len, sp_size, ...); what each rank
+    saw, and the Trainer for callers that record more."""
+    seed_everything(SEED, verbose=False)
+    config = tiny_llama_config(num_kv_heads=run["kv_heads"], num_heads=run.get("num_heads", 4),
+                               attn=run.get("attn", "sdpa"))
+    dataset = TokenDataset(run["num_rows"], run["seq_len"], ignore_after=run.get("ignore_after"))
+    module_class = OwnLossCausalLM if run.get("own_loss") else CausalLM
+    module = module_class(config, lr=run["lr"], dataset=dataset, batch_size=run["batch_size"])
+    recorder = Recorder()
+    strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"], **run.get("strategy", {}))
+    trainer = make_trainer(strategy, run["steps"], callbacks=[recorder], **run.get("trainer", {}))
+    with AttentionShapeSpy() as spy:
+        trainer.fit(module)
+    return {
+        "losses": recorder.losses,
+        "logged_loss": trainer.callback_metrics["train_loss"].item(),
+        "input_shapes": recorder.input_shapes,
+        "attention_query_shapes": sorted(spy.shapes),
+        "weights": ({k: v.float().cpu() for k, v in recorder.weights.items()}
+                    if torch.distributed.get_rank() == 0 else None),
+        "mesh": {"sp_rank": strategy.sp_rank, "dp_rank": strategy.dp_rank, "dp_size": strategy.dp_size,
+                 "sp_group": strategy.layout.sp_group_ranks(),
+                 "dim_names": strategy.device_mesh.mesh_dim_names,
+                 "module_mesh_is_strategy_mesh": module.device_mesh is strategy.device_mesh},
+        "train_batch_size": recorder.train_batch_size,
+        "features_active": recorder.features_active,
+    }, trainer
+
+
 def parity(payload: dict) -> dict:
-    """Several SGD fits, each described by a dict: stage, kv_heads, batch_size, steps, seq_len, sp_size."""
-    results = []
-    for run in payload["runs"]:
-        seed_everything(SEED, verbose=False)
-        config = tiny_llama_config(num_kv_heads=run["kv_heads"], num_heads=run.get("num_heads", 4),
-                                   attn=run.get("attn", "sdpa"))
-        dataset = TokenDataset(run["num_rows"], run["seq_len"], ignore_after=run.get("ignore_after"))
-        module_class = OwnLossCausalLM if run.get("own_loss") else CausalLM
-        module = module_class(config, lr=run["lr"], dataset=dataset, batch_size=run["batch_size"])
-        recorder = Recorder()
-        strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"], **run.get("strategy", {}))
-        trainer = make_trainer(strategy, run["steps"], callbacks=[recorder], **run.get("trainer", {}))
-        with AttentionShapeSpy() as spy:
-            trainer.fit(module)
-        results.append({
-            "losses": recorder.losses,
-            "logged_loss": trainer.callback_metrics["train_loss"].item(),
-            "input_shapes": recorder.input_shapes,
-            "attention_query_shapes": sorted(spy.shapes),
-            "weights": ({k: v.float().cpu() for k, v in recorder.weights.items()}
-                        if torch.distributed.get_rank() == 0 else None),
-            "mesh": {"sp_rank": strategy.sp_rank, "dp_rank": strategy.dp_rank, "dp_size": strategy.dp_size,
-                     "sp_group": strategy.layout.sp_group_ranks(),
-                     "dim_names": strategy.device_mesh.mesh_dim_names,
-                     "module_mesh_is_strategy_mesh": module.device_mesh is strategy.device_mesh},
-            "train_batch_size": recorder.train_batch_size,
-            "features_active": recorder.features_active,
-        })
-    return {"runs": results}
+    """Several SGD fits (see :func:`fit_one`)."""
+    return {"runs": [fit_one(run)[0] for run in payload["runs"]]}
 
 
 

@@ -29,11 +29,9 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from lightning.pytorch import Callback, seed_everything  # noqa: E402
+from lightning.pytorch import Callback  # noqa: E402
 
-from lightning_ulysses import UlyssesDeepSpeedStrategy  # noqa: E402
-from tests.models import SEED, CausalLM, TokenDataset, tiny_llama_config  # noqa: E402
-from tests.scenarios import AttentionShapeSpy, Recorder, make_trainer  # noqa: E402
+from tests.scenarios import fit_one  # noqa: E402
 
 
 def _environment(trainer) -> dict[str, Any]:
@@ -60,29 +58,15 @@ def _environment(trainer) -> dict[str, Any]:
 
 
 def fit_runs(payload: dict) -> dict:
-    """SGD fits, each a dict of tests/test_parity.py's ``_run`` form plus ``trainer`` kwargs (devices, num_nodes)."""
+    """SGD fits, each a dict of tests/test_parity.py's ``_run`` form plus ``trainer`` kwargs (devices, num_nodes);
+    the parity scenario's record plus the launch environment and the warnings raised."""
     results = []
     for run in payload["runs"]:
-        seed_everything(SEED, verbose=False)
-        config = tiny_llama_config(num_kv_heads=run["kv_heads"])
-        dataset = TokenDataset(run["num_rows"], run["seq_len"])
-        module = CausalLM(config, lr=run["lr"], dataset=dataset, batch_size=run["batch_size"])
-        recorder = Recorder()
-        strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"])
-        trainer = make_trainer(strategy, run["steps"], callbacks=[recorder], **run.get("trainer", {}))
-        with warnings.catch_warnings(record=True) as caught, AttentionShapeSpy() as spy:
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.fit(module)
-        results.append({
-            "losses": recorder.losses,
-            "logged_loss": trainer.callback_metrics["train_loss"].item(),
-            "input_shapes": recorder.input_shapes,
-            "attention_query_shapes": sorted(spy.shapes),
-            "weights": ({k: v.float().cpu() for k, v in recorder.weights.items()} if dist.get_rank() == 0 else None),
-            "train_batch_size": recorder.train_batch_size,
-            "environment": _environment(trainer),
-            "warnings": [str(w.message) for w in caught],
-        })
+            result, trainer = fit_one(run)
+        result.update(environment=_environment(trainer), warnings=[str(w.message) for w in caught])
+        results.append(result)
     return {"runs": results}
 
 

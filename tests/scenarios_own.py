@@ -4,7 +4,6 @@ attention, and a from-scratch GPT trained with the strategy (``attention_modules
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
