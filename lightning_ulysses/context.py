@@ -60,6 +60,9 @@ class StepContext:
         accumulation: gradient-accumulation steps DeepSpeed divides the loss by.
         sdpa_per_document: with ``sdpa``, attend within each packed document by one SDPA call per document.
         shard: the current batch's :class:`ShardInfo`.
+        tile_shard_len: the step's longest shard over all ranks, set when tile counts follow the shard length
+            (``tiled_mlp``/``tiled_loss="auto"``) under ZeRO-3 with several replicas: every rank then runs the same
+            number of tiles, so ZeRO-3 issues the same parameter gathers everywhere. ``None``: the local length.
     """
 
     sp_group: dist.ProcessGroup
@@ -68,3 +71,4 @@ class StepContext:
     accumulation: int = 1
     sdpa_per_document: bool = False
     shard: Optional[ShardInfo] = None
+    tile_shard_len: Optional[int] = None

@@ -1,7 +1,11 @@
 """ALST memory features for Hugging Face causal LMs, switched on per model and removed after the Trainer finishes.
 
-* **Tiled MLP** (DeepSpeed's ``TiledMLP``): each decoder layer's MLP runs on ``tiles`` slices of the sequence and is
-  recomputed slice by slice in backward, so the ``[s, intermediate]`` activations never exist for the whole shard.
+* **Tiled MLP**: each decoder layer's MLP runs on ``tiles`` slices of the sequence and is recomputed slice by slice in
+  backward, so the ``[s, intermediate]`` activations never exist for the whole shard. Same algorithm as DeepSpeed's
+  ``TiledMLP``, but with exactly ``tiles`` slices for every shard length (``torch.tensor_split``, empty slices
+  allowed): DeepSpeed's ``torch.chunk`` returns fewer chunks for some lengths (10 tokens in 6 tiles: 5 chunks),
+  and then never marks the weight gradients ready for ZeRO's reduction, and ranks with different lengths issue
+  different numbers of ZeRO-3 parameter gathers.
 * **Tiled logits + loss**: the LM head and the cross-entropy run on ``chunks`` slices of the sequence under
   activation checkpointing, so the ``[s, vocab]`` logits exist for one slice at a time, in forward and backward.
   The normalisation happens on the summed loss *outside* the chunks, through autograd (DeepSpeed's
@@ -12,8 +16,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,17 +29,59 @@ from lightning_ulysses.context import StepContext
 from lightning_ulysses.loss import IGNORE_INDEX, normalize_loss_sum, step_normalization
 
 
+AUTO = "auto"
+TileSetting = Union[int, Literal["auto"]]
+# "auto" tile sizes. MLP: ALST's rule, one tile per `hidden_size` tokens (a tile's intermediate activations are then
+# about `intermediate/hidden` × the layer's weight-sized matrices). Loss: at most 2**24 logits per chunk (64 MiB in
+# fp32, e.g. 524 tokens at a 32K vocabulary), so the loss's memory no longer grows with the sequence.
+LOSS_CHUNK_LOGITS = 2**24
+
+
 @dataclass(frozen=True)
 class MemoryFeatures:
-    """Which features to switch on (all off by default)."""
+    """Which features to switch on (all off by default).
 
-    tiled_mlp: int = 0  # number of sequence tiles per MLP call (0: off)
-    tiled_loss: int = 0  # number of sequence chunks for LM head + loss (0: off)
+    ``tiled_mlp`` / ``tiled_loss``: a fixed number of sequence tiles (``0``: off), or ``"auto"``: as many as the step's
+    shard length needs for a bounded tile (the memory of that feature then stops growing with the sequence length).
+    """
+
+    tiled_mlp: TileSetting = 0  # sequence tiles per MLP call
+    tiled_loss: TileSetting = 0  # sequence chunks for LM head + loss
     offload_checkpoints: bool = False  # checkpoint decoder layers, keep the checkpoints in CPU memory
+
+    def __post_init__(self) -> None:
+        for name in ("tiled_mlp", "tiled_loss"):
+            value = getattr(self, name)
+            if value == AUTO:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}={value!r}`: pass a number of tiles (0 = off) or \"auto\".")
+        if not isinstance(self.offload_checkpoints, bool):
+            raise ValueError(f"`offload_checkpoints={self.offload_checkpoints!r}`: pass True or False.")
 
     @property
     def any(self) -> bool:
         return bool(self.tiled_mlp or self.tiled_loss or self.offload_checkpoints)
+
+    @property
+    def auto(self) -> bool:
+        """Whether a tile count depends on the step's shard length."""
+        return AUTO in (self.tiled_mlp, self.tiled_loss)
+
+
+def tile_count(setting: TileSetting, shard_len: int, tile_tokens: int) -> int:
+    """Tiles for a shard of ``shard_len`` tokens: ``setting`` itself, or for ``"auto"`` one per ``tile_tokens``."""
+    if setting == AUTO:
+        return max(1, math.ceil(shard_len / max(1, tile_tokens)))
+    return int(setting)
+
+
+def _agreed_shard_len(local_len: int, context: Optional[StepContext]) -> int:
+    """The shard length tile counts are computed from: the step's maximum over all ranks where the strategy needs
+    every rank to issue the same ZeRO-3 gathers (see ``StepContext.tile_shard_len``), else the local one."""
+    if context is not None and context.tile_shard_len is not None:
+        return context.tile_shard_len
+    return local_len
 
 
 _SAVED = "_ulysses_memory_saved"
@@ -50,8 +97,9 @@ def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepCon
         return
     saved: dict[str, Any] = {"mlps": [], "forward": None, "checkpointing": False}
     if features.tiled_mlp:
+        hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
         for mlp in _decoder_mlps(model):
-            _tile_mlp(mlp, features.tiled_mlp)
+            _tile_mlp(mlp, features.tiled_mlp, hidden_size, context)
             saved["mlps"].append(mlp)
     if features.tiled_loss or features.offload_checkpoints:
         saved["forward"] = model.__dict__.get("forward")
@@ -76,17 +124,56 @@ def disable(model: nn.Module) -> None:
         model.gradient_checkpointing_disable()
 
 
-def _tile_mlp(mlp: nn.Module, tiles: int) -> None:
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-
-    original = type(mlp).forward
-    params = list(mlp.parameters())
+def _tile_mlp(mlp: nn.Module, setting: TileSetting, hidden_size: int, context: Optional[StepContext]) -> None:
+    original = type(mlp).forward.__get__(mlp)
+    params = [p for p in mlp.parameters() if p.requires_grad]
 
     def tiled_forward(x: torch.Tensor) -> torch.Tensor:  # x: [B, s, H]
-        # A fixed tile count keeps the number of ZeRO-3 gathers equal on every rank.
-        return TiledMLP.apply(original, mlp, x, tiles, params)
+        tiles = tile_count(setting, _agreed_shard_len(x.shape[-2], context), hidden_size or x.shape[-1])
+        return TiledMLP.apply(original, x, tiles, params)
 
     mlp.forward = tiled_forward  # type: ignore[method-assign]
+
+
+class TiledMLP(torch.autograd.Function):
+    """``mlp(x)`` computed on exactly ``tiles`` slices of the sequence dimension (-2), keeping only ``x`` for
+    backward, where each slice is recomputed and back-propagated on its own.
+
+    Exactly ``tiles`` slices for every length (``torch.tensor_split``; slices may be empty): every rank runs the MLP
+    the same number of times (ZeRO-3 gathers its weights per call), and the last slice is known, so the weights'
+    gradients are marked ready for ZeRO's reduction (``ds_grad_is_ready``) only once all slices have added theirs.
+    """
+
+    @staticmethod
+    def forward(ctx, mlp, x: torch.Tensor, tiles: int, params: list[torch.Tensor]) -> torch.Tensor:
+        # ``params`` is a list, not tensor arguments: as inputs of this node their AccumulateGrad nodes would run
+        # again (with no gradient) after this backward, and ZeRO's hooks on them would reduce a second time.
+        ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            outputs = [mlp(x_tile) for x_tile in torch.tensor_split(x, tiles, dim=-2)]  # tiles × [B, s/tiles, H]
+        return torch.cat(outputs, dim=-2)  # [B, s, H]
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[1] else None  # [B, s, H]
+        x_tiles = torch.tensor_split(x.detach(), ctx.tiles, dim=-2)
+        grad_tiles = torch.tensor_split(grad_output, ctx.tiles, dim=-2)
+        start = 0
+        for index, (x_tile, grad_tile) in enumerate(zip(x_tiles, grad_tiles)):
+            last = index == ctx.tiles - 1
+            for param in ctx.params:  # ZeRO reduces a weight's gradient once every slice has added to it
+                param.ds_grad_is_ready = last
+            x_tile = x_tile.requires_grad_(grad_x is not None)
+            with torch.enable_grad():
+                out_tile = ctx.mlp(x_tile)
+            torch.autograd.backward(out_tile, grad_tile)  # adds to the weights' .grad (and to x_tile.grad)
+            if grad_x is not None:
+                length = x_tile.shape[-2]
+                grad_x.narrow(-2, start, length).copy_(x_tile.grad)
+                start += length
+        return None, grad_x, None, None
 
 
 def _memory_forward(model: nn.Module, features: MemoryFeatures, context: Optional[StepContext]):
@@ -103,8 +190,10 @@ def _memory_forward(model: nn.Module, features: MemoryFeatures, context: Optiona
             hidden = model.base_model(*args, **kwargs).last_hidden_state  # [B, s, H]
             if shift_labels is None:
                 raise ValueError("Tiled loss needs `shift_labels` (the strategy's collate step adds them).")
-            local_sum = tiled_cross_entropy_sum(hidden, model.get_output_embeddings(), shift_labels,
-                                                features.tiled_loss)
+            lm_head = model.get_output_embeddings()
+            chunk_tokens = LOSS_CHUNK_LOGITS // max(1, int(lm_head.weight.shape[0]))
+            chunks = tile_count(features.tiled_loss, _agreed_shard_len(hidden.shape[1], context), chunk_tokens)
+            local_sum = tiled_cross_entropy_sum(hidden, lm_head, shift_labels, chunks)
             if context is None:
                 scale, window, group = 1.0, None, None
             else:
@@ -147,10 +236,11 @@ def tiled_cross_entropy_sum(hidden: torch.Tensor, lm_head: nn.Module, shift_labe
                             chunks: int) -> torch.Tensor:
     """``sum(CE(lm_head(hidden), shift_labels))`` over valid tokens with only one chunk's logits alive at a time.
 
-    ``hidden [B, s, H]``, ``shift_labels [B, s]``; each chunk's logits are recomputed in backward.
+    ``hidden [B, s, H]``, ``shift_labels [B, s]``; each chunk's logits are recomputed in backward. Exactly ``chunks``
+    calls of ``lm_head`` for every length (empty chunks allowed), so ZeRO-3 gathers its weight equally on every rank.
     """
     total = hidden.new_zeros((), dtype=torch.float32)
-    for h, y in zip(hidden.chunk(chunks, dim=1), shift_labels.chunk(chunks, dim=1)):
+    for h, y in zip(torch.tensor_split(hidden, chunks, dim=1), torch.tensor_split(shift_labels, chunks, dim=1)):
         total = total + checkpoint(_chunk_loss_sum, h, y, lm_head, use_reentrant=False)
     return total
 

@@ -68,10 +68,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             are always wrapped). A core's ``forward(q, k, v, **kw)`` takes ``[B, H, S, D]`` and returns
             ``[B, H, S, D]``; after wrapping it receives this rank's shards and runs on the full sequence.
         tiled_mlp: ALST tiled MLP: run each decoder layer's MLP on this many sequence tiles, recomputed tile by tile
-            in backward (0: off). Use when the MLP intermediate (``s × intermediate_size``) dominates memory.
+            in backward (0: off), or ``"auto"``: one tile per ``hidden_size`` tokens of the shard (ALST's rule).
+            Use when the MLP intermediate (``s × intermediate_size``) dominates memory.
         tiled_loss: ALST tiled logits + loss: LM head and cross-entropy on this many sequence chunks under
             checkpointing, so the ``s × vocab`` logits never exist whole (0: off; ``model(**batch).logits`` is then
-            ``None`` when labels are given). Use with large vocabularies.
+            ``None`` when labels are given), or ``"auto"``: chunks of at most 2**24 logits (64 MiB in fp32). Use
+            with large vocabularies. With ``"auto"`` under ZeRO-3 and several replicas, the ranks agree on the
+            step's longest shard by one scalar all-reduce per step (equal tile counts keep ZeRO-3's gathers equal).
         offload_checkpoints: checkpoint every decoder layer and keep the checkpoints in CPU memory until backward.
             Use when the saved layer activations dominate; costs a recompute and host-device copies.
         gather_predictions: ``predict_step`` outputs that are per-token (``[B, s, ...]``) are gathered to the full
@@ -88,8 +91,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         sdpa_per_document: bool = False,
         gather_predictions: bool = True,
         attention_modules: Optional[Sequence[ModuleSelector]] = None,
-        tiled_mlp: int = 0,
-        tiled_loss: int = 0,
+        tiled_mlp: memory.TileSetting = 0,
+        tiled_loss: memory.TileSetting = 0,
         offload_checkpoints: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -246,6 +249,17 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                     raise ValueError(hf.packed_documents_error(impl))
         if self._context is not None:
             self._context.shard = shard
+            self._context.tile_shard_len = self._agreed_tile_shard_len(shard)
+
+    def _agreed_tile_shard_len(self, shard: ShardInfo) -> Optional[int]:
+        """With tile counts that follow the shard length under ZeRO-3 and several replicas, the step's longest shard
+        over all ranks (one scalar all-reduce per step), so that every rank runs as many tiles: ZeRO-3 gathers the
+        tiled modules' weights once per tile and all ranks must issue the same gathers. Else ``None``."""
+        if not (self.memory_features.auto and self.zero_stage_3 and self.dp_size > 1):
+            return None
+        local = torch.tensor([-(-shard.seq_len // self.sp_size)], dtype=torch.int64, device=self.root_device)
+        torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)  # [1]: max shard length, world
+        return int(local.item())
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -31,6 +31,7 @@ class Recorder(Callback):
         self.weights: dict[str, torch.Tensor] = {}
         self.train_batch_size: int = 0
         self.features_active: dict = {}
+        self.tile_shard_lens: list = []  # per step: the shard length tile counts followed (None: the local one)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.input_shapes.append(tuple(batch["input_ids"].shape))
@@ -43,6 +44,7 @@ class Recorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(outputs["loss"].float().item())
+        self.tile_shard_lens.append(trainer.strategy.step_context.tile_shard_len)
 
     def on_train_end(self, trainer, pl_module) -> None:
         import deepspeed
@@ -241,6 +243,7 @@ def realdata(payload: dict) -> dict:
         result.update(
             losses=recorder.losses,
             input_shapes=recorder.input_shapes,
+            tile_shard_lens=recorder.tile_shard_lens,
             weights=recorder.weights if torch.distributed.get_rank() == 0 else None,
             estimated_stepping_batches=trainer.estimated_stepping_batches,
             num_training_batches=trainer.num_training_batches,
