@@ -70,10 +70,12 @@ def test_flags_build_the_strategy_with_the_given_args(cli_module, restore_enviro
     strategy = build(cli_module, [
         f"--trainer.strategy={strategy_flag}", "--trainer.strategy.sp_size=2", "--trainer.strategy.stage=3",
         "--trainer.strategy.offload_optimizer=true", "--trainer.strategy.sdpa_per_document=true",
+        "--trainer.strategy.tiled_mlp=auto", "--trainer.strategy.tiled_loss=8",
         "--trainer.accelerator=cpu", "--trainer.devices=2",
     ])
     assert type(strategy) is UlyssesDeepSpeedStrategy
     assert strategy.sp_size == 2 and strategy.sdpa_per_document is True
+    assert (strategy.memory_features.tiled_mlp, strategy.memory_features.tiled_loss) == ("auto", 8)
     assert strategy.config["zero_optimization"]["stage"] == 3
     assert strategy.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert strategy.num_processes == 2
