@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
@@ -183,7 +184,8 @@ def _memory_forward(model: nn.Module, features: MemoryFeatures, context: Optiona
 
     def forward(*args: Any, labels: Optional[torch.Tensor] = None, shift_labels: Optional[torch.Tensor] = None,
                 **kwargs: Any):
-        saving = _offload_to_host() if features.offload_checkpoints and torch.is_grad_enabled() else _null()
+        offload = features.offload_checkpoints and torch.is_grad_enabled()
+        saving = _offload_to_host() if offload else contextlib.nullcontext()
         with saving:
             if not features.tiled_loss or (labels is None and shift_labels is None):
                 return original(*args, labels=labels, shift_labels=shift_labels, **kwargs)
@@ -222,14 +224,6 @@ def _offload_to_host() -> torch.autograd.graph.saved_tensors_hooks:
         return host.to(device, non_blocking=True)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def tiled_cross_entropy_sum(hidden: torch.Tensor, lm_head: nn.Module, shift_labels: torch.Tensor,
