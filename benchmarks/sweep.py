@@ -2,7 +2,7 @@
 memory switches on and off, plus a hand-written DeepSpeed Ulysses loop without Lightning; the longest trainable
 sequence under a per-rank memory budget. Writes ``benchmarks/out/sweep.csv``, ``sweep.png`` and prints a table.
 
-    python benchmarks/sweep.py                       # CPU defaults (S = 2K, 4K, 8K, then 16K where it fits)
+    python benchmarks/sweep.py                       # CPU defaults: S = 2K, 4K, 8K; sp=1 on to 32K while it fits
     python benchmarks/sweep.py --lengths 8192 16384 32768 --hidden 2048 --layers 16 --sp 1 2 4 8   # on GPUs
 
 Each configuration runs in fresh processes (``torchrun``), so a peak is never inherited from the previous one.
@@ -13,8 +13,8 @@ mmap threshold to the size of each freed block (up to 32 MiB), after which freed
 heap and the peak RSS measures fragmentation, not tensors (single process, 8K tokens, ALST switches: 1155 MiB with
 the dynamic threshold, 868 MiB with the fixed one; plain: 5158 vs 4877 MiB). CUDA's caching allocator is unaffected.
 
-After the grid of ``--lengths``, each configuration whose longest length fits the budget is run at twice that
-length (up to ``--max-length``) while a linear projection from its last two points stays under the budget, so the
+After the grid of ``--lengths``, each configuration with an sp in ``--search-sp`` (default: sp=1, to keep the CPU run
+under 20 minutes) whose longest length fits the budget is run at twice that length (up to ``--max-length``) while a linear projection from its last two points stays under the budget, so the
 "longest trainable sequence" is measured, not extrapolated. Configurations ("plain sp=1" is the baseline: on CPU Lightning's stock DeepSpeedStrategy refuses to run,
 so it is this strategy with sp_size=1 and every switch off):
 
@@ -255,13 +255,18 @@ def main() -> None:
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--configs", nargs="+", default=["plain", "alst", "deepspeed-loop"])
     parser.add_argument("--budget-mib", type=float, default=2400.0, help="per-rank memory budget for the search")
-    parser.add_argument("--max-length", type=int, default=16384,
+    parser.add_argument("--max-length", type=int, default=32768,
                         help="longest sequence the budget search runs past the --lengths grid (0: no search)")
+    parser.add_argument("--search-sp", type=int, nargs="+", default=[1],
+                        help="sp sizes whose configurations the budget search extends past the grid")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the grid this many times (repeats interleaved); the table keeps the median step"
+                             " time (raw runs: sweep_runs.csv)")
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--bucket", type=int, default=200_000_000,
                         help="ZeRO reduce/allgather bucket size in elements (Lightning's default 2e8 = 800 MB of fp32"
@@ -282,23 +287,56 @@ def main() -> None:
         return
 
     OUT.mkdir(exist_ok=True)
-    rows, start = [], time.time()
-    for seq_len in args.lengths:
-        for sp in args.sp:
-            for config in args.configs:
-                if config == "deepspeed-loop" and sp == 1:
-                    continue  # DeepSpeed's HF Ulysses registration needs sp > 1
-                _measure(args, rows, config, sp, seq_len, start)
-    for config, sp in sorted({(r["config"], r["sp"]) for r in rows}):
+    runs, start = [], time.time()
+    for _ in range(args.repeat):  # whole grid again: the repeats of one configuration are interleaved with the others
+        for seq_len in args.lengths:
+            for sp in args.sp:
+                for config in args.configs:
+                    if config == "deepspeed-loop" and sp == 1:
+                        continue  # DeepSpeed's HF Ulysses registration needs sp > 1
+                    _measure(args, runs, config, sp, seq_len, start)
+    rows = merge_repeats(runs)
+    for config, sp in sorted({(r["config"], r["sp"]) for r in rows if r["sp"] in args.search_sp}):
         while (seq_len := next_search_length(rows, config, sp, args)) is not None:
             if not _measure(args, rows, config, sp, seq_len, start):
                 break
-    with open(OUT / "sweep.csv", "w", newline="") as f:
+    if args.repeat > 1:
+        _write_csv(runs, OUT / "sweep_runs.csv")
+    _write_csv(rows, OUT / "sweep.csv")
+    plot(rows, OUT / "sweep.png", args.budget_mib)
+    print(summary(rows, args))
+    if args.repeat > 1:
+        print(repeat_ratios(runs))
+
+
+def repeat_ratios(runs: list[dict]) -> str:
+    """Strategy / hand-written loop step time of each repeat (runs in grid order: the i-th of each pair match)."""
+    lines = []
+    for sp, n in dict.fromkeys((r["sp"], r["seq_len"]) for r in runs):
+        plain = [r["step_s"] for r in runs if (r["config"], r["sp"], r["seq_len"]) == ("plain", sp, n)]
+        loop = [r["step_s"] for r in runs if (r["config"], r["sp"], r["seq_len"]) == ("deepspeed-loop", sp, n)]
+        if plain and loop:
+            ratios = ", ".join(f"{a / b:.3f}" for a, b in zip(plain, loop))
+            lines.append(f"S={n}: strategy / hand-written loop step time (sp={sp}) per repeat: {ratios}")
+    return "\n".join(lines)
+
+
+def merge_repeats(runs: list[dict]) -> list[dict]:
+    """One row per (config, sp, seq_len): the largest peak memory and the median step time of its repeats."""
+    merged = []
+    for key in dict.fromkeys((r["config"], r["sp"], r["seq_len"]) for r in runs):
+        repeats = [r for r in runs if (r["config"], r["sp"], r["seq_len"]) == key]
+        step = sorted(r["step_s"] for r in repeats)[len(repeats) // 2]
+        merged.append({**repeats[0], "peak_mib_per_rank": max(r["peak_mib_per_rank"] for r in repeats),
+                       "step_s": step, "tokens_per_s": key[2] / step, "repeats": len(repeats)})
+    return merged
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, OUT / "sweep.png", args.budget_mib)
-    print(summary(rows, args))
 
 
 def summary(rows: list[dict], args) -> str:
