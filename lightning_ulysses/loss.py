@@ -65,14 +65,15 @@ def sequence_parallel_cross_entropy(
     Returns:
         A 0-dim fp32 tensor whose value is the global micro-batch mean, identical on every rank of ``group``.
     """
-    vocab_size = logits.shape[-1]
-    local_sum = F.cross_entropy(
-        logits.float().reshape(-1, vocab_size),
-        shift_labels.reshape(-1).to(logits.device),
-        ignore_index=ignore_index,
-        reduction="sum",
-    )
+    local_sum = cross_entropy_sum(logits, shift_labels, ignore_index)
     return normalize_loss_sum(local_sum, shift_labels, group, grad_scale, ignore_index, window_tokens)
+
+
+def cross_entropy_sum(logits: torch.Tensor, shift_labels: torch.Tensor,
+                      ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """fp32 sum of the token cross-entropies of ``[B, s, V]`` logits against ``[B, s]`` targets (0 if none)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1).to(logits.device),
+                           ignore_index=ignore_index, reduction="sum")
 
 
 def normalize_loss_sum(

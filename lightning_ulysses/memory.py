@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ulysses.context import StepContext
-from lightning_ulysses.loss import IGNORE_INDEX, normalize_loss_sum, step_normalization
+from lightning_ulysses.loss import IGNORE_INDEX, cross_entropy_sum, normalize_loss_sum, step_normalization
 
 
 AUTO = "auto"
@@ -240,6 +239,4 @@ def tiled_cross_entropy_sum(hidden: torch.Tensor, lm_head: nn.Module, shift_labe
 
 
 def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-    logits = lm_head(hidden).float()  # [B, c, V]: one chunk only
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return cross_entropy_sum(lm_head(hidden), labels)  # [B, c, V] logits: one chunk only
