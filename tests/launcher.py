@@ -78,7 +78,9 @@ def launch(
             report = []
             for rank, log in enumerate(logs):
                 log.seek(0)
-                report.append(f"--- rank {rank} (exit {codes[rank]}) ---\n{log.read()[-6000:]}")
+                written = (Path(tmp) / f"rank{rank}.pkl").exists()
+                report.append(f"--- rank {rank} (exit {codes[rank]}, result written: {written}) ---\n"
+                              f"{log.read()[-6000:]}")
             raise RuntimeError(f"scenario {scenario!r} failed on {num_procs} processes:\n" + "\n".join(report))
         for log in logs:
             log.close()
