@@ -79,7 +79,7 @@ def launch(
             for rank, log in enumerate(logs):
                 log.seek(0)
                 written = (Path(tmp) / f"rank{rank}.pkl").exists()
-                report.append(f"--- rank {rank} (exit {codes[rank]}, result written: {written}) ---\n"
+                report.append(f"--- rank {rank} (exit {codes[rank]}) --- result written: {written}\n"
                               f"{log.read()[-6000:]}")
             raise RuntimeError(f"scenario {scenario!r} failed on {num_procs} processes:\n" + "\n".join(report))
         for log in logs:
