@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -168,6 +169,41 @@ def validate_for_loading(path: PathLike, world_size: int) -> Optional[dict[str, 
             " `lightning_ulysses.export_checkpoint(...)` and start a new fit from them (the optimizer state is lost)."
         )
     return marker
+
+
+@contextmanager
+def zero3_inference_loading(engine: Any) -> Iterator[None]:
+    """Let a ZeRO-3 *inference* engine (``validate``/``test``/``predict`` with a ``ckpt_path``) load a checkpoint
+    exactly.
+
+    DeepSpeed loads the module's weights there from the consolidated fp32 state (``load_optimizer_states=False``):
+    parameters that are gathered at that moment (ZeRO-3's small "persistent" ones, or all of them in a small model)
+    get the new values in their full ``data`` only, while their partitions keep the old weights; the others are
+    gathered, written and re-partitioned. Then it calls ``optimizer._restore_from_bit16_weights()``, which the
+    parameter-offload "optimizer" of an engine without an optimizer (``DeepSpeedZeRoOffload``) lacks
+    (``AttributeError``). Left alone, the first batch would run with the checkpoint's weights and every later one
+    with the stale partitions once ZeRO-3 has released and re-gathered them (measured: a validation loss between
+    the two checkpoints'). Here that call writes every gathered parameter back into its partition instead, so all
+    batches see the checkpoint's weights. ``engine=None`` or a training engine: no change.
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None or hasattr(optimizer, "_restore_from_bit16_weights"):
+        yield
+        return
+
+    def write_loaded_weights_into_partitions() -> None:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        gathered = [p for p in engine.module.parameters()
+                    if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.AVAILABLE]
+        if gathered:  # every rank loaded the same state dict, so each rank's full data is the checkpoint's
+            gathered[0].partition(param_list=gathered, has_been_updated=True)
+
+    optimizer._restore_from_bit16_weights = write_loaded_weights_into_partitions
+    try:
+        yield
+    finally:
+        del optimizer._restore_from_bit16_weights
 
 
 # ----------------------------------------------------------------------------------------------- what is recorded

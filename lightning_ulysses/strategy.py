@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Optional, Sequence, Union
+from contextlib import contextmanager
+from typing import Any, Generator, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -20,7 +22,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
 from lightning_ulysses import checkpoint as _checkpoint
-from lightning_ulysses import hf, memory
+from lightning_ulysses import building, hf, memory
 from lightning_ulysses.attention import ModuleSelector, find_attention_cores, unwrap_attention_core, wrap_attention_core
 from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo, StepContext
 from lightning_ulysses.data import install_accumulation_window, install_sharding_collate
@@ -108,6 +110,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._layout: Optional[SequenceParallelLayout] = None
         self._context: Optional[StepContext] = None
         self._prepared_models: list[Module] = []
+        self._saved_modes: building.ModuleModes = []
 
     # ----------------------------------------------------------------------------------------------- layout
     @property
@@ -178,6 +181,21 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
 
     # ----------------------------------------------------------------------------------------------- model
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Lightning's ``deepspeed.zero.Init`` (ZeRO-3: parameters partitioned as they are created) around
+        ``configure_model``, with transformers told that ZeRO-3 is active while the block runs, so that
+        ``from_pretrained`` / ``from_config`` there load and initialise partitioned weights correctly, and with
+        ``torch.nn.init`` working on partitioned parameters (PEFT initialises LoRA layers after building them)."""
+        with super().model_sharded_context():
+            if self.zero_stage_3:
+                assert isinstance(self.config, dict)
+                with building.transformers_zero3_aware(self.config), building.partition_aware_init():
+                    yield
+            else:
+                yield
+
     @override
     def init_deepspeed(self) -> None:
         self._prepare_models()
@@ -208,9 +226,24 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             hf.prepare_model(model, self._context)
             memory.enable(model, self.memory_features, self._context)
         self._prepared_models = models
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._switch_to_train_mode(models)
         for core in cores:
             wrap_attention_core(core, self.sp_group)
         self._wrapped_cores = cores
+
+    def _switch_to_train_mode(self, models: list[Module]) -> None:
+        """``from_pretrained`` returns models in eval mode and Lightning keeps submodule modes: without this, fit
+        would silently run such a model without gradient checkpointing and dropout. Undone in ``teardown``."""
+        for model in models:
+            modes = building.switch_to_train_mode(model)
+            if modes:
+                rank_zero_info(
+                    f"UlyssesDeepSpeedStrategy: {type(model).__name__} was in eval mode (as `from_pretrained` returns"
+                    " models); it trains in train mode (dropout, gradient checkpointing on) and gets its modes back"
+                    " after fit. To keep parts frozen in eval mode, call `.eval()` on those submodules only."
+                )
+            self._saved_modes.extend(modes)
 
     @property
     def step_context(self) -> StepContext:
@@ -407,11 +440,14 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if os.path.isdir(checkpoint_path):
             # Incomplete checkpoints (a run killed while saving) and other world sizes fail here, before DeepSpeed.
             _checkpoint.validate_for_loading(checkpoint_path, self.world_size)
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        with _checkpoint.zero3_inference_loading(self.deepspeed_engine if self.zero_stage_3 else None):
+            return super().load_checkpoint(checkpoint_path, weights_only)
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
     def teardown(self) -> None:
+        building.restore_modes(self._saved_modes)
+        self._saved_modes = []
         for model in self._prepared_models:
             memory.disable(model)
             hf.restore_model(model)
