@@ -209,9 +209,11 @@ def zero3_inference_loading(engine: Any) -> Iterator[None]:
 # ----------------------------------------------------------------------------------------------- what is recorded
 def hf_model_records(root: nn.Module) -> dict[str, dict[str, Any]]:
     """For every Hugging Face model in ``root``: its attribute path, class and *plain* config (as before the
-    strategy prepared it: original attention, original ``use_cache``), so an export can rebuild it."""
+    strategy prepared it: original attention, original ``use_cache``), so an export can rebuild it. A model wrapped
+    by PEFT (``get_peft_model``) is recorded under the wrapper's path with the adapters' configs (``"peft"``)."""
     records: dict[str, dict[str, Any]] = {}
     found = {id(m): m for m in hf.find_pretrained_models(root)}
+    peft_wrappers = {id(m.get_base_model()): (name, m) for name, m in root.named_modules() if _is_peft_model(m)}
     for name, module in root.named_modules():
         if id(module) not in found:
             continue
@@ -219,12 +221,35 @@ def hf_model_records(root: nn.Module) -> dict[str, dict[str, Any]]:
         saved = module.__dict__.get(getattr(hf, "_SAVED", "_ulysses_saved_state"))
         if saved is not None and getattr(saved, "use_cache", None) is not None:
             config["use_cache"] = saved.use_cache
-        records[name] = {
+        record = {
             "class": f"{type(module).__module__}.{type(module).__qualname__}",
             "config": config,
             "attn_implementation": hf.attention_implementation(module),
         }
+        if id(module) in peft_wrappers:
+            name, wrapper = peft_wrappers[id(module)]
+            record["peft"] = {adapter: _plain(cfg.to_dict()) for adapter, cfg in wrapper.peft_config.items()}
+        records[name] = record
     return records
+
+
+def _is_peft_model(module: nn.Module) -> bool:
+    return hasattr(module, "peft_config") and hasattr(module, "get_base_model") and hasattr(module, "base_model")
+
+
+def _plain(value: Any) -> Any:
+    """Enums, sets and tuples as plain values (the record is loaded without importing PEFT's classes)."""
+    from enum import Enum
+
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Enum):
+        return value.value
+    return value
 
 
 # ----------------------------------------------------------------------------------------------- data position
@@ -435,6 +460,9 @@ def export_checkpoint(
       ``use_cache``): ``AutoModelForCausalLM.from_pretrained("out/model")``. The models are rebuilt from what the
       strategy recorded in the checkpoint; ``hf_models={"model": LlamaForCausalLM(config)}`` (an instance or a
       factory) exports a checkpoint that has no record (e.g. one saved by Lightning's ``DeepSpeedStrategy``).
+    * For a model wrapped by PEFT (LoRA, ...): ``<name>/`` holds the model with the adapters *merged* into its
+      weights (plain transformers loads it), and ``<name>_adapter/`` the adapters alone (PEFT's
+      ``save_pretrained``: ``PeftModel.from_pretrained(base_model, "out/model_adapter")``). Needs ``peft``.
 
     Returns ``{"state_dict": Path, "hf": {name: Path}, "global_step": int}``.
     """
@@ -455,16 +483,22 @@ def export_checkpoint(
     exported: dict[str, Path] = {}
     for name, target in targets.items():
         model = _build_hf_model(target)
+        adapters = target.get("peft") if isinstance(target, dict) else None
+        if adapters:
+            model = _wrap_with_adapters(model, adapters)
         prefix = f"{name}." if name else ""
         weights = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
         if not weights:
             raise KeyError(f"The checkpoint has no weights under {prefix!r} for the Hugging Face model {name!r}.")
         missing, unexpected = model.load_state_dict(weights, strict=False)
-        tied = set(getattr(model, "_tied_weights_keys", None) or ())
+        tied = {f"base_model.model.{k}" if adapters else k for k in (getattr(model, "_tied_weights_keys", None) or ())}
         missing = [k for k in missing if k not in tied]
         if missing or unexpected:
             raise KeyError(f"The checkpoint's weights under {prefix!r} do not fit {type(model).__name__}:"
                            f" missing {missing}, unexpected {unexpected}.")
+        if adapters:
+            model.save_pretrained(output_dir / f"{name or 'hf_model'}_adapter")
+            model = model.merge_and_unload()  # the plain model with W + scale * B @ A in its weights
         if getattr(model.config, "tie_word_embeddings", False):
             model.tie_weights()
         hf.restore_model(model)  # a model handed in prepared for SP is plain again
@@ -472,6 +506,19 @@ def export_checkpoint(
         model.save_pretrained(target_dir)
         exported[name] = target_dir
     return {"state_dict": state_file, "hf": exported, "global_step": client_state.get("global_step")}
+
+
+def _wrap_with_adapters(model: nn.Module, adapters: dict[str, dict[str, Any]]) -> nn.Module:
+    """``model`` wrapped by PEFT with the recorded adapters (weights loaded afterwards)."""
+    try:
+        from peft import PeftConfig, get_peft_model
+    except ImportError as err:
+        raise ImportError("This checkpoint holds a PEFT (LoRA) model: `pip install peft` to export it.") from err
+    (first_name, first), *others = adapters.items()
+    peft_model = get_peft_model(model, PeftConfig.from_peft_type(**first), adapter_name=first_name)
+    for adapter_name, config in others:
+        peft_model.add_adapter(adapter_name, PeftConfig.from_peft_type(**config))
+    return peft_model
 
 
 def _build_hf_model(target: Any) -> nn.Module:

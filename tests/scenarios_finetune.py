@@ -135,6 +135,8 @@ def finetune(payload: dict) -> dict:
         result: dict[str, Any] = {}
         try:
             trainer.fit(module)
+            if "save_to" in case:
+                trainer.save_checkpoint(case["save_to"])
         except Exception as err:  # noqa: BLE001 - the test asserts on type and message
             result["error"] = (type(err).__name__, str(err))
             out[name] = result

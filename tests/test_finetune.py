@@ -65,13 +65,14 @@ def pretrained_dir(tmp_path_factory):
     return str(path)
 
 
-def cases(path: str) -> dict:
+def cases(path: str, save_dir: str = "") -> dict:
     rows = Rows(STEPS)
     return {
         "pretrained_zero3": {"spec": {"path": path}, "dataset": rows, "stage": 3},
         "from_config_zero3": {"spec": {"config": tiny_llama_config(num_kv_heads=2)}, "dataset": rows, "stage": 3},
         "lora_zero2": {"spec": {"path": path, "lora": LORA}, "dataset": rows, "stage": 2},
-        "lora_zero3": {"spec": {"path": path, "lora": LORA}, "dataset": rows, "stage": 3},
+        "lora_zero3": {"spec": {"path": path, "lora": LORA}, "dataset": rows, "stage": 3,
+                       "save_to": f"{save_dir}/lora_zero3.ckpt"},
         # from_pretrained in __init__ returns an eval-mode model: checkpointing must still recompute.
         "checkpointing_zero2": {"spec": {"path": path, "gradient_checkpointing": {"use_reentrant": False}},
                                 "dataset": rows, "stage": 2, "build_in": "__init__"},
@@ -88,12 +89,14 @@ def cases(path: str) -> dict:
 def results(pretrained_dir, tmp_path_factory):
     checkpoint_dir = str(tmp_path_factory.mktemp("checkpoints"))
     payload = {
-        "finetune": ["tests.scenarios_finetune:finetune", {"cases": cases(pretrained_dir)}],
+        "finetune": ["tests.scenarios_finetune:finetune", {"cases": cases(pretrained_dir, checkpoint_dir)}],
         "evaluate": ["tests.scenarios_finetune:evaluate_from_checkpoint",
                      {"stages": EVAL_STAGES, "spec": {"path": pretrained_dir}, "dataset": Rows(2),
                       "dirpath": checkpoint_dir, "epochs": 2}],
     }
-    return launch(2, "combined", payload)
+    results = launch(2, "combined", payload)
+    results[0]["checkpoint_dir"] = checkpoint_dir
+    return results
 
 
 # ----------------------------------------------------------------------------------------------- references
@@ -199,6 +202,32 @@ def test_lora_starts_from_the_pretrained_model_and_matches_a_plain_process(resul
         if "lora_" not in key:
             assert torch.equal(tensor, result["initial"][key]), key
     assert any(not torch.equal(reference["weights"][k], result["initial"][k]) for k in lora_b)
+
+
+def test_lora_checkpoint_exports_merged_weights_and_the_adapter(results, pretrained_dir, tmp_path):
+    """export_checkpoint of a ZeRO-3 LoRA checkpoint: ``model/`` is the merged model for plain transformers and
+    ``model_adapter/`` the adapter for PEFT; both give the logits of the plain process's trained LoRA model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ulysses import export_checkpoint
+
+    result = results[0]["finetune"]["lora_zero3"]
+    case = cases(pretrained_dir, str(results[0]["checkpoint_dir"]))["lora_zero3"]
+    trained = build_reference(case["spec"], result["initial"])
+    train_reference(trained, ordered_batches(case["dataset"])[:STEPS])
+    exported = export_checkpoint(case["save_to"], tmp_path / "export")
+    assert set(exported["hf"]) == {"model"}
+    input_ids = Rows(1, seed=99)[0]["input_ids"][None]
+    with torch.no_grad():
+        expected = trained.eval()(input_ids=input_ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "model").eval()
+        assert not any("lora" in k for k in merged.state_dict())
+        assert rel_diff(merged(input_ids=input_ids).logits, expected) <= REL_TOL
+        base = AutoModelForCausalLM.from_pretrained(pretrained_dir).eval()
+        assert rel_diff(base(input_ids=input_ids).logits, expected) > 1e-4  # training changed something
+        adapter = PeftModel.from_pretrained(base, tmp_path / "export" / "model_adapter").eval()
+        assert rel_diff(adapter(input_ids=input_ids).logits, expected) <= REL_TOL
 
 
 # ----------------------------------------------------------------------------------------------- train mode
