@@ -30,13 +30,13 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from lightning_ulysses import hf
+from lightning_ulysses import hf, integrity
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 MARKER = "ulysses_checkpoint.json"
 CLIENT_STATE_KEY = "ulysses"  # the strategy's record inside Lightning's checkpoint dict (layout, HF models)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files map to {"size", "sha256"}; 1: files map to sizes
 _TAG = "checkpoint"  # the DeepSpeed tag Lightning's DeepSpeedStrategy always uses
 
 
@@ -48,14 +48,20 @@ def begin_checkpoint(path: PathLike, record: dict[str, Any]) -> None:
     _write_json_atomically(path / MARKER, {"format": FORMAT_VERSION, "complete": False, **record})
 
 
-def commit_checkpoint(path: PathLike, record: dict[str, Any]) -> None:
-    """Mark ``path`` complete (rank 0, after every rank has written): the files and their sizes, then ``complete``."""
+def checkpoint_files(path: PathLike) -> list[str]:
+    """The files of a checkpoint directory (relative paths, sorted), without the marker."""
     path = Path(path)
-    files = {
-        str(f.relative_to(path)): f.stat().st_size
-        for f in sorted(path.rglob("*"))
-        if f.is_file() and f.name != MARKER and not f.name.startswith(f".{MARKER}")
-    }
+    return [str(f.relative_to(path)) for f in sorted(path.rglob("*"))
+            if f.is_file() and f.name != MARKER and not f.name.startswith(f".{MARKER}")]
+
+
+def commit_checkpoint(path: PathLike, record: dict[str, Any], digests: Optional[dict[str, str]] = None) -> None:
+    """Mark ``path`` complete (rank 0, after every rank has written): every file with its size and, when given, its
+    SHA-256 (``digests``: name -> hex, hashed by all ranks in parallel), then ``complete``."""
+    path = Path(path)
+    files = {name: {"size": (path / name).stat().st_size,
+                    **({"sha256": digests[name]} if digests and name in digests else {})}
+             for name in checkpoint_files(path)}
     _write_json_atomically(path / MARKER, {"format": FORMAT_VERSION, "complete": True, **record, "files": files})
 
 
@@ -106,7 +112,8 @@ def checkpoint_status(path: PathLike) -> tuple[bool, str]:
     if not marker.get("complete"):
         return False, (f"{path} is incomplete: its writing started but never finished (the run stopped while saving,"
                        " e.g. a rank was killed)")
-    for name, size in marker.get("files", {}).items():
+    for name, entry in marker.get("files", {}).items():
+        size = entry["size"] if isinstance(entry, dict) else entry  # format 1 recorded sizes only
         file = path / name
         if not file.is_file():
             return False, f"{path} is incomplete: {name} is missing"
@@ -143,8 +150,33 @@ def find_last_complete_checkpoint(dirpath: PathLike) -> Optional[Path]:
     return None if best is None else best[2]
 
 
-def validate_for_loading(path: PathLike, world_size: int) -> Optional[dict[str, Any]]:
-    """Raise a ``ValueError`` if ``path`` cannot be resumed by ``world_size`` ranks; return its marker.
+def verify_digests(path: PathLike, names: Optional[list[str]] = None) -> list[str]:
+    """Re-hash ``names`` (default: every file the marker lists) and return those whose bytes differ from the
+    recorded SHA-256 (files recorded without a digest are not checked)."""
+    path = Path(path)
+    files = (read_marker(path) or {}).get("files", {})
+    return integrity.mismatches(path, files, sorted(files) if names is None else names)
+
+
+def digest_mismatch_error(path: PathLike, wrong: list[str]) -> str:
+    return (f"{path} is corrupt: the bytes of {', '.join(sorted(wrong))} differ from what was written (SHA-256 recorded"
+            " in its ulysses_checkpoint.json when it was saved). Resume from another checkpoint, e.g."
+            f" `lightning_ulysses.find_last_complete_checkpoint(...)`. To skip this check (e.g. for huge checkpoints"
+            " on trusted storage): `UlyssesDeepSpeedStrategy(verify_checkpoints=False)` /"
+            " `export_checkpoint(..., verify=False)`.")
+
+
+def stage_change_error(path: PathLike, saved_stage: int, stage: int) -> str:
+    return (f"{path} was saved at ZeRO stage {saved_stage} and this run uses stage {stage}: DeepSpeed's optimizer"
+            f" state is laid out per stage and cannot be resumed at another one. Resume with"
+            f" `UlyssesDeepSpeedStrategy(stage={saved_stage}, ...)`, or export the weights with"
+            " `lightning_ulysses.export_checkpoint(...)` and start a new fit from them at stage"
+            f" {stage} (the optimizer state is lost).")
+
+
+def validate_for_loading(path: PathLike, world_size: int, zero_stage: Optional[int] = None) -> Optional[dict[str, Any]]:
+    """Raise a ``ValueError`` if ``path`` cannot be resumed by ``world_size`` ranks (at ``zero_stage``, when
+    resuming training); return its marker. Sizes only: :func:`verify_digests` checks the bytes.
 
     A checkpoint without a marker was not written by this strategy (e.g. by Lightning's ``DeepSpeedStrategy``): it
     is left to DeepSpeed to load or reject.
@@ -159,6 +191,9 @@ def validate_for_loading(path: PathLike, world_size: int) -> Optional[dict[str, 
             f"Cannot resume from this checkpoint: {why}. Resume from the last complete one:"
             f" `ckpt_path=lightning_ulysses.find_last_complete_checkpoint({str(path.parent)!r})`."
         )
+    saved_stage = marker.get("zero_stage")
+    if zero_stage is not None and saved_stage is not None and int(saved_stage) != zero_stage:
+        raise ValueError(stage_change_error(path, int(saved_stage), zero_stage))
     saved_world = marker.get("world_size")
     if marker.get("zero_stage", 0) > 0 and saved_world is not None and saved_world != world_size:
         raise ValueError(
@@ -415,7 +450,7 @@ def consolidated_state_dict(checkpoint: PathLike, tag: Optional[str] = None) -> 
         raise FileNotFoundError(f"No *model_states.pt in {ds_dir}")
     rank0_file = ds_dir / ("mp_rank_00_model_states.pt" if (ds_dir / "mp_rank_00_model_states.pt").is_file()
                            else "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    client_state = torch.load(rank0_file, map_location="cpu", weights_only=False)
+    client_state = torch.load(rank0_file, map_location="cpu", weights_only=True)  # see integrity.restricted_torch_load
     if any(ds_dir.glob("*optim_states.pt")):  # ZeRO 1-3: the fp32 master weights live in the optimizer shards
         state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag)
     else:  # ZeRO 0: rank 0 saved the whole module
@@ -445,6 +480,7 @@ def export_checkpoint(
     output_dir: PathLike,
     hf_models: Optional[dict[str, Union[nn.Module, Callable[[], nn.Module]]]] = None,
     tag: Optional[str] = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Export a checkpoint of :class:`~lightning_ulysses.UlyssesDeepSpeedStrategy` (a directory, ZeRO-sharded or not)
     into files that load without DeepSpeed, sequence parallelism or this package. One process, CPU, no GPU needed.
@@ -464,6 +500,10 @@ def export_checkpoint(
       weights (plain transformers loads it), and ``<name>_adapter/`` the adapters alone (PEFT's
       ``save_pretrained``: ``PeftModel.from_pretrained(base_model, "out/model_adapter")``). Needs ``peft``.
 
+    The checkpoint's files are read with ``torch.load(weights_only=True)`` (DeepSpeed's and Lightning's classes
+    allow-listed), so a checkpoint from elsewhere cannot run code here; with ``verify=True`` (default) every file's
+    SHA-256 is checked against the marker first (a same-size corruption is refused).
+
     Returns ``{"state_dict": Path, "hf": {name: Path}, "global_step": int}``.
     """
     checkpoint, output_dir = Path(checkpoint), Path(output_dir)
@@ -472,7 +512,11 @@ def export_checkpoint(
         complete, why = checkpoint_status(checkpoint)
         if not complete:
             raise ValueError(f"Cannot export: {why}.")
-    state_dict, client_state = consolidated_state_dict(checkpoint, tag)
+        wrong = verify_digests(checkpoint) if verify else []
+        if wrong:
+            raise ValueError(f"Cannot export: {digest_mismatch_error(checkpoint, wrong)}")
+    with integrity.restricted_torch_load():
+        state_dict, client_state = consolidated_state_dict(checkpoint, tag)
     output_dir.mkdir(parents=True, exist_ok=True)
     state_file = output_dir / "model.pt"
     torch.save({**client_state, "state_dict": state_dict}, state_file)

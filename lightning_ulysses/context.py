@@ -1,8 +1,9 @@
 """What the collate step knows about a batch and the attention and loss need during its step.
 
-The collate step attaches a :class:`ShardInfo` to each batch under the key ``"_ulysses"``; the strategy pops it before
-the LightningModule sees the batch and copies it into the :class:`StepContext` that the prepared models' attention
-and loss read. Nothing of it reaches the user's ``model(**batch)``.
+The collate step attaches a :class:`ShardInfo` to each batch under the key ``"_ulysses"``; the strategy's loader takes
+it out as the batch leaves the DataLoader (before any Lightning or user hook sees the batch) and queues it, and the
+step of that batch moves it into the :class:`StepContext` that the prepared models' attention and loss read.
+Nothing of it reaches the user's hooks or ``model(**batch)``.
 """
 
 from __future__ import annotations
@@ -26,16 +27,22 @@ class ShardInfo:
         max_seqlen: length of the longest document (``None`` when not packed).
         window_tokens: this rank's count of target tokens over the whole gradient-accumulation window the batch
             belongs to (set by the train loader when accumulating), else ``None``.
+        batch_size: rows ``B`` of the full batch.
+        fingerprint: digest of the full batch (:func:`lightning_ulysses.agreement.batch_fingerprint`), compared
+            between SP peers before the step; ``None`` when the check is off.
     """
 
-    __slots__ = ("seq_len", "cu_seqlens", "max_seqlen", "window_tokens")
+    __slots__ = ("seq_len", "cu_seqlens", "max_seqlen", "window_tokens", "batch_size", "fingerprint")
 
     def __init__(self, seq_len: int, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
-                 window_tokens: Optional[torch.Tensor] = None) -> None:
+                 window_tokens: Optional[torch.Tensor] = None, batch_size: int = 1,
+                 fingerprint: Optional[int] = None) -> None:
         self.seq_len = seq_len
         self.cu_seqlens = cu_seqlens
         self.max_seqlen = max_seqlen
         self.window_tokens = window_tokens
+        self.batch_size = batch_size
+        self.fingerprint = fingerprint
 
     @property
     def packed(self) -> bool:

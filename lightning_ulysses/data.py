@@ -7,11 +7,13 @@ wraps the user's collate function (or PyTorch's default) and turns each full bat
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch.utils.data import DataLoader, default_collate
 
+from lightning_ulysses.agreement import batch_fingerprint
 from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo
 from lightning_ulysses.loss import IGNORE_INDEX
 
@@ -24,6 +26,7 @@ INPUT_IDS, LABELS, SHIFT_LABELS, POSITION_IDS, ATTENTION_MASK = (
     "attention_mask",
 )
 _PAD_VALUES = {LABELS: IGNORE_INDEX, SHIFT_LABELS: IGNORE_INDEX}
+_CONTRACT_KEYS = (LABELS, SHIFT_LABELS, POSITION_IDS, ATTENTION_MASK)
 
 
 def shard_batch(
@@ -32,8 +35,12 @@ def shard_batch(
     sp_rank: int,
     pad_token_id: int = 0,
     ignore_index: int = IGNORE_INDEX,
+    fingerprint: bool = False,
 ) -> dict[str, Any]:
     """Cut this SP rank's shard out of a full batch.
+
+    The batch contract is checked first (:func:`check_batch_contract`); with ``fingerprint=True`` the full batch's
+    digest is recorded for the SP-peer agreement check.
 
     Steps, in order, on the full ``[B, S]`` batch:
 
@@ -55,18 +62,12 @@ def shard_batch(
     Packed documents: a row holds several documents when its ``position_ids`` restart (any position that is not the
     previous one + 1 starts a new document, the convention of Hugging Face's packing collators).
     """
-    if not isinstance(batch, Mapping) or INPUT_IDS not in batch:
-        raise TypeError(
-            "UlyssesDeepSpeedStrategy shards batches that are dicts with an `input_ids` tensor of shape [B, S]"
-            f" (plus optional labels, position_ids, attention_mask, ...); got {type(batch).__name__}"
-            + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
-            + ". Return a dict from your Dataset or collate_fn."
-        )
+    check_batch_contract(batch)
     input_ids = batch[INPUT_IDS]
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
-        raise TypeError(f"`input_ids` must be a [B, S] tensor, got {getattr(input_ids, 'shape', type(input_ids))}.")
     B, S = input_ids.shape
-    out = dict(batch)
+    digest = batch_fingerprint(batch) if fingerprint else None
+    # `None` under a contract key means absent (collators write e.g. attention_mask=None).
+    out = {k: v for k, v in batch.items() if not (v is None and k in _CONTRACT_KEYS)}
 
     attention_mask = out.pop(ATTENTION_MASK, None)
     if attention_mask is not None:
@@ -80,6 +81,8 @@ def shard_batch(
     # [B, S] bool: True where a new document starts (every row starts one).
     document_start = torch.ones(B, S, dtype=torch.bool)
     document_start[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if attention_mask is not None:  # right padding: whatever positions the pads carry, they start no document
+        document_start[:, 1:] &= attention_mask[:, 1:].bool()
     packed = bool(document_start[:, 1:].any())
     if LABELS in out and SHIFT_LABELS not in out:
         labels = out[LABELS]
@@ -99,8 +102,65 @@ def shard_batch(
         if padded_len != S:
             value = _pad_sequence(value, key, padded_len, pad_token_id, ignore_index)
         out[key] = value[:, start : start + shard_len].contiguous()
-    out[SHARD_INFO_KEY] = _shard_info(S, padded_len, document_start) if packed else ShardInfo(S)
+    info = _shard_info(S, padded_len, document_start) if packed else ShardInfo(S)
+    info.batch_size, info.fingerprint = B, digest
+    out[SHARD_INFO_KEY] = info
     return out
+
+
+_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def check_batch_contract(batch: Any) -> None:
+    """Raise a ``TypeError``/``ValueError`` naming the key and the expected shape unless ``batch`` is a dict with:
+
+    * ``input_ids``: integer ``[B, S]`` (required);
+    * ``labels``, ``shift_labels``: integer ``[B, S]``;
+    * ``position_ids``: integer ``[B, S]`` or ``[1, S]`` (one row for all);
+    * ``attention_mask``: ``[B, S]`` (1 = token, 0 = right padding); 4-D masks are refused.
+    """
+    if not isinstance(batch, Mapping) or INPUT_IDS not in batch:
+        raise TypeError(
+            "UlyssesDeepSpeedStrategy shards batches that are dicts with an `input_ids` tensor of shape [B, S]"
+            f" (plus optional labels, position_ids, attention_mask, ...); got {type(batch).__name__}"
+            + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
+            + ". Return a dict from your Dataset or collate_fn."
+        )
+    input_ids = batch[INPUT_IDS]
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype not in _INTEGER_DTYPES:
+        raise TypeError(f"The batch's `input_ids` must be an integer tensor of shape [B, S] (token ids), got"
+                        f" {_describe(input_ids)}.")
+    B, S = input_ids.shape
+    for key in (LABELS, SHIFT_LABELS):
+        if key in batch and batch[key] is not None:
+            value = batch[key]
+            if not (isinstance(value, torch.Tensor) and tuple(value.shape) == (B, S) and value.dtype in _INTEGER_DTYPES):
+                raise ValueError(f"The batch's `{key}` must be an integer tensor of shape [B, S] = [{B}, {S}] like"
+                                 f" `input_ids` (-100 where no loss is taken), got {_describe(value)}.")
+    if POSITION_IDS in batch and batch[POSITION_IDS] is not None:
+        value = batch[POSITION_IDS]
+        if not (isinstance(value, torch.Tensor) and tuple(value.shape) in ((B, S), (1, S))
+                and value.dtype in _INTEGER_DTYPES):
+            raise ValueError(f"The batch's `position_ids` must be an integer tensor of shape [B, S] = [{B}, {S}] or"
+                             f" [1, S] = [1, {S}] (one row for all), got {_describe(value)}.")
+    if ATTENTION_MASK in batch and batch[ATTENTION_MASK] is not None:
+        value = batch[ATTENTION_MASK]
+        if isinstance(value, torch.Tensor) and value.ndim == 4:
+            raise ValueError(
+                f"The batch's `attention_mask` is 4-D {_describe(value)}: custom attention masks cannot be split over"
+                " sequence-parallel ranks and are not supported. The strategy runs causal attention and supports a"
+                " [B, S] padding mask (right padding) and packed documents: give `position_ids` that restart at 0"
+                " for every document (e.g. DataCollatorWithFlattening) and drop the 4-D mask."
+            )
+        if not (isinstance(value, torch.Tensor) and tuple(value.shape) == (B, S)):
+            raise ValueError(f"The batch's `attention_mask` must be a [B, S] = [{B}, {S}] padding mask (1 = token,"
+                             f" 0 = right padding), got {_describe(value)}.")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} of shape {list(value.shape)}"
+    return type(value).__name__
 
 
 def _shard_info(seq_len: int, padded_len: int, document_start: torch.Tensor) -> ShardInfo:
@@ -145,18 +205,22 @@ class SequenceShardingCollate:
     """
 
     def __init__(
-        self, sp_size: int, sp_rank: int, collate_fn: Optional[Callable] = None, pad_token_id: int = 0
+        self, sp_size: int, sp_rank: int, collate_fn: Optional[Callable] = None, pad_token_id: int = 0,
+        fingerprint: bool = False,
     ) -> None:
         self.sp_size = sp_size
         self.sp_rank = sp_rank
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
         self.pad_token_id = pad_token_id
+        self.fingerprint = fingerprint
 
     def __call__(self, samples: Any) -> dict[str, Any]:
-        return shard_batch(self.collate_fn(samples), self.sp_size, self.sp_rank, self.pad_token_id)
+        return shard_batch(self.collate_fn(samples), self.sp_size, self.sp_rank, self.pad_token_id,
+                           fingerprint=self.fingerprint)
 
 
-def install_sharding_collate(dataloader: DataLoader, sp_size: int, sp_rank: int, pad_token_id: int) -> DataLoader:
+def install_sharding_collate(dataloader: DataLoader, sp_size: int, sp_rank: int, pad_token_id: int,
+                             fingerprint: bool = False) -> DataLoader:
     """Make ``dataloader`` yield shards; a loader that already has the step gets it re-targeted, not stacked."""
     if not isinstance(dataloader, DataLoader):
         raise TypeError(
@@ -167,10 +231,16 @@ def install_sharding_collate(dataloader: DataLoader, sp_size: int, sp_rank: int,
     if isinstance(user_collate, SequenceShardingCollate):
         user_collate = user_collate.collate_fn
     if dataloader.batch_size is None and dataloader.batch_sampler is None:
-        # Automatic batching is off: PyTorch calls collate_fn per sample, which cannot be sharded.
-        raise ValueError("UlyssesDeepSpeedStrategy needs batched DataLoaders (batch_size or batch_sampler set).")
-    dataloader.collate_fn = SequenceShardingCollate(sp_size, sp_rank, user_collate, pad_token_id)
+        raise ValueError(automatic_batching_off_error())
+    dataloader.collate_fn = SequenceShardingCollate(sp_size, sp_rank, user_collate, pad_token_id, fingerprint)
     return dataloader
+
+
+def automatic_batching_off_error() -> str:
+    # Automatic batching off: PyTorch calls collate_fn per sample, which cannot be sharded as a batch.
+    return ("UlyssesDeepSpeedStrategy needs batched DataLoaders: `DataLoader(batch_size=None)` turns automatic"
+            " batching off, so there is no [B, S] batch to cut into sequence shards. Use `batch_size=1` (or more),"
+            " or a `batch_sampler`.")
 
 
 class _AccumulationWindowMixin:
@@ -213,3 +283,69 @@ def install_accumulation_window(dataloader: DataLoader, steps: int, offset: Call
     dataloader.__dict__["_ulysses_window"] = steps
     dataloader.__dict__["_ulysses_window_offset"] = offset
     return dataloader
+
+
+class StepStateQueue:
+    """The :class:`ShardInfo` of every batch a loader handed out whose step has not run yet, oldest first.
+
+    Lightning fetches one batch ahead (and a sequence of validation loaders runs the next loader's first fetch
+    before the previous loader's last step), so the facts of a step's batch are a queue, not one slot. Each entry
+    remembers the loader iteration it came from, so a new iteration of a loader drops what an abandoned iteration of
+    the same loader left behind (``max_steps`` reached with a batch prefetched), and nothing else.
+    """
+
+    def __init__(self) -> None:
+        self._entries: deque[tuple[object, ShardInfo]] = deque()
+
+    def push(self, iteration: object, shard: ShardInfo) -> None:
+        self._entries.append((iteration, shard))
+
+    def pop(self) -> Optional[ShardInfo]:
+        return self._entries.popleft()[1] if self._entries else None
+
+    def drop(self, iterations: set) -> None:
+        self._entries = deque(entry for entry in self._entries if entry[0] not in iterations)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class _StepStateMixin:
+    """Outermost layer of a prepared DataLoader: takes each batch's :class:`ShardInfo` out of the batch as it leaves
+    the loader (before Lightning's or the user's hooks can drop or trip over it) and queues it for the step; when the
+    loader is exhausted it calls ``on_exhausted`` (the SP-peer end-of-data check)."""
+
+    _ulysses_queue: StepStateQueue
+    _ulysses_on_exhausted: Optional[Callable[[], None]] = None
+
+    def __iter__(self):
+        queue = self._ulysses_queue
+        previous = self.__dict__.setdefault("_ulysses_iterations", set())
+        queue.drop(previous)
+        iteration = object()
+        previous.add(iteration)
+        for batch in super().__iter__():  # type: ignore[misc]
+            if not isinstance(batch, dict) or SHARD_INFO_KEY not in batch:
+                raise RuntimeError(
+                    "A batch left the DataLoader without the strategy's sequence-sharding step (its collate_fn was"
+                    f" replaced after Lightning prepared the loader?): got {type(batch).__name__}."
+                )
+            queue.push(iteration, batch.pop(SHARD_INFO_KEY))
+            yield batch
+        if self._ulysses_on_exhausted is not None:
+            self._ulysses_on_exhausted()
+
+
+def install_step_state(dataloader: DataLoader, queue: StepStateQueue,
+                       on_exhausted: Optional[Callable[[], None]] = None) -> DataLoader:
+    """Return ``dataloader`` (same sampler, collate, workers, state) as an instance of a subclass with
+    :class:`_StepStateMixin` feeding ``queue``; install it after every other loader layer."""
+    cls = type(dataloader)
+    if not issubclass(cls, _StepStateMixin):
+        cls = type(f"StepState{cls.__name__}", (_StepStateMixin, cls), {})
+    stepped = cls.__new__(cls)
+    stepped.__dict__.update(dataloader.__dict__)
+    stepped.__dict__["_ulysses_queue"] = queue
+    stepped.__dict__["_ulysses_on_exhausted"] = on_exhausted
+    stepped.__dict__["_ulysses_iterations"] = set()
+    return stepped

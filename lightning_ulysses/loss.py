@@ -14,7 +14,8 @@ it sums gradients over all DP × SP ranks and divides by dp (ZeRO 0/1/2, ZeRO 3 
 dp × sp (ZeRO 3 with ``reduce_scatter``, Lightning's default); with gradient accumulation Lightning and DeepSpeed
 each divide the loss by the number of accumulation steps.
 
-The loss returned is ``share + (value - share).detach()``. One all-reduce of 3 numbers per call.
+The loss returned carries ``value`` bitwise (the same fp32 number on every rank) and passes its gradient to the local
+share (:class:`_ValueWithGradientOf`). One all-reduce of 3 numbers per call.
 """
 
 from __future__ import annotations
@@ -92,7 +93,20 @@ def normalize_loss_sum(
         dist.all_reduce(totals, group=group)
     value = (totals[0] / totals[1].clamp(min=1.0)).float()
     share = local_sum * (grad_scale / totals[2].clamp(min=1.0).float())
-    return share + (value - share).detach()
+    # Not `share + (value - share).detach()`: that rounds in fp32 (differently per rank when share > value).
+    return _ValueWithGradientOf.apply(value, share)
+
+
+class _ValueWithGradientOf(torch.autograd.Function):
+    """Forward: ``value`` exactly. Backward: the incoming gradient goes to ``share`` (``d out / d share = 1``)."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, share: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        return None, grad
 
 
 def step_normalization(context: StepContext) -> tuple[float, Optional[torch.Tensor]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from contextlib import contextmanager
 from typing import Any, Generator, Optional, Sequence, Union
 
@@ -22,10 +23,17 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
 from lightning_ulysses import checkpoint as _checkpoint
-from lightning_ulysses import building, hf, memory
+from lightning_ulysses import building, hf, integrity, memory
+from lightning_ulysses.agreement import SPAgreement, sampler_split_error
 from lightning_ulysses.attention import ModuleSelector, find_attention_cores, unwrap_attention_core, wrap_attention_core
 from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo, StepContext
-from lightning_ulysses.data import install_accumulation_window, install_sharding_collate
+from lightning_ulysses.data import (
+    StepStateQueue,
+    automatic_batching_off_error,
+    install_accumulation_window,
+    install_sharding_collate,
+    install_step_state,
+)
 from lightning_ulysses.layout import (
     SequenceParallelLayout,
     node_spanning_warning,
@@ -81,6 +89,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             Use when the saved layer activations dominate; costs a recompute and host-device copies.
         gather_predictions: ``predict_step`` outputs that are per-token (``[B, s, ...]``) are gathered to the full
             ``[B, S, ...]`` on every rank of the SP group. ``False`` keeps each rank's shard (saves memory).
+        check_sp_agreement: before every step, the ranks of each SP group verify that they hold the same full batch
+            (a digest of the full batch taken in the collate step, compared with one all-reduce of 6 integers over
+            the SP group), and a loader that runs out of batches on one peer but not on another stops all of them.
+            A mismatch raises on every rank. Turn off only if your peers provably read the same data.
+        verify_checkpoints: record every checkpoint file's SHA-256 in the completion marker when saving (each rank
+            hashes a share of the files) and check them before resuming or evaluating from a checkpoint; a file
+            whose bytes changed is refused. ``False`` skips the hashing on both sides (sizes are still checked).
         **kwargs: Every argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` (``stage``,
             ``offload_optimizer``, ``config``, ...).
     """
@@ -96,6 +111,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         tiled_mlp: memory.TileSetting = 0,
         tiled_loss: memory.TileSetting = 0,
         offload_checkpoints: bool = False,
+        check_sp_agreement: bool = True,
+        verify_checkpoints: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -111,6 +128,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._context: Optional[StepContext] = None
         self._prepared_models: list[Module] = []
         self._saved_modes: building.ModuleModes = []
+        self.check_sp_agreement = check_sp_agreement
+        self.verify_checkpoints = verify_checkpoints
+        self._agreement: Optional[SPAgreement] = None
+        self._step_queues: dict[str, StepStateQueue] = {}
 
     # ----------------------------------------------------------------------------------------------- layout
     @property
@@ -159,6 +180,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         DDPStrategy.setup_environment(self)
         if self._layout is None:
             self._layout = SequenceParallelLayout.build(self.root_device.type, self.sp_size)
+        if self.check_sp_agreement and self.sp_size > 1:
+            self._agreement = SPAgreement(self._layout.sp_group, self._layout.sp_group_ranks, self.root_device)
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self._layout.mesh
 
@@ -206,11 +229,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         assert self.lightning_module is not None and isinstance(self.config, dict)
         models = hf.find_pretrained_models(self.lightning_module)
         cores = [m for _, m in find_attention_cores(self.lightning_module, self.attention_modules)]
-        if not models and not cores:
-            rank_zero_warn(
-                "UlyssesDeepSpeedStrategy found no Hugging Face PreTrainedModel and no attention core in the"
-                " LightningModule: no attention was switched to Ulysses, so each rank attends only within its"
-                " sequence shard. Declare your attention modules with `attention_modules=[...]`."
+        if not models and not cores and self.sp_size > 1:
+            raise ValueError(
+                f"UlyssesDeepSpeedStrategy(sp_size={self.sp_size}) found no Hugging Face PreTrainedModel and no"
+                " attention core in the LightningModule, so there is no attention to run over the whole sequence:"
+                " each rank would attend only within its own shard and train a different model. Declare your"
+                " attention cores with `attention_modules=[...]` (classes or name patterns; see the README, 'Your"
+                " own model'), mark them with `ulysses_attention_core = True`, or use `sp_size=1`."
             )
         for model in models:
             hf.validate_model(model, self.sp_size, self.root_device.type)
@@ -270,11 +295,19 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         return step_cross_entropy(self.step_context, logits, shift_labels)
 
     # ----------------------------------------------------------------------------------------------- steps
-    def _begin_step(self, batch: Any) -> None:
-        """Move the collate step's ShardInfo from the batch into the step context (before any compute)."""
-        if not isinstance(batch, dict) or SHARD_INFO_KEY not in batch:
-            return
-        shard: ShardInfo = batch.pop(SHARD_INFO_KEY)
+    def _begin_step(self, kind: str) -> None:
+        """Take the facts of this step's batch from the queue its loader filled (before any compute): check that the
+        SP peers hold the same batch, check packing support, and put them into the step context."""
+        queue = self._step_queues.get(kind)
+        shard = queue.pop() if queue is not None else None
+        if shard is None:
+            raise RuntimeError(
+                f"UlyssesDeepSpeedStrategy has no sharding facts for this {kind} batch: it did not come from a"
+                " DataLoader the strategy prepared (Lightning passes every loader of the Trainer through"
+                " `strategy.process_dataloader`; iterating a loader yourself inside a step is not supported)."
+            )
+        if self._agreement is not None and shard.fingerprint is not None:
+            self._agreement.verify(shard.fingerprint, shard.seq_len, shard.batch_size, where=f"{kind} step")
         if shard.packed:
             for model in self._prepared_models:
                 impl = hf.attention_implementation(model)
@@ -296,23 +329,23 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step(args[0] if args else kwargs.get("batch"))
+        self._begin_step("train")
         return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step(args[0] if args else kwargs.get("batch"))
+        self._begin_step("validate")
         return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step(args[0] if args else kwargs.get("batch"))
+        self._begin_step("test")
         return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
-        self._begin_step(batch)
+        self._begin_step("predict")
         local_shape = tuple(batch["input_ids"].shape[:2]) if isinstance(batch, dict) and "input_ids" in batch else None
         output = super().predict_step(*args, **kwargs)
         if not self.gather_predictions or local_shape is None or self.current_shard is None:
@@ -375,14 +408,46 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
-        dataloader = install_sharding_collate(dataloader, self.sp_size, self.sp_rank, self._pad_token_id())
+        self._check_sampler(dataloader)
+        self._seed_workers_by_dp_rank(dataloader)
+        fingerprint = self._agreement is not None
+        dataloader = install_sharding_collate(dataloader, self.sp_size, self.sp_rank, self._pad_token_id(),
+                                              fingerprint=fingerprint)
         accumulation = self._context.accumulation if self._context is not None else 1
-        if accumulation > 1:
-            dataloader = install_accumulation_window(dataloader, accumulation, self._micro_steps_taken)
         trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is not None and trainer.training:
+        kind = _loader_kind(trainer)
+        if accumulation > 1 and kind == "train":
+            dataloader = install_accumulation_window(dataloader, accumulation, self._micro_steps_taken)
+        if kind == "train":
             dataloader = _checkpoint.install_resumable_loader(dataloader)  # mid-epoch resume at the right batch
-        return dataloader
+        queue = self._step_queues.setdefault(kind, StepStateQueue())
+        on_exhausted = None
+        if self._agreement is not None:
+            agreement = self._agreement
+            on_exhausted = lambda: agreement.verify_end_of_data(where=f"end of the {kind} data")  # noqa: E731
+        return install_step_state(dataloader, queue, on_exhausted)
+
+    def _check_sampler(self, dataloader: Any) -> None:
+        """All ranks of an SP group must read the same samples: refuse a DistributedSampler split over the world."""
+        if getattr(dataloader, "batch_size", 0) is None and getattr(dataloader, "batch_sampler", 0) is None:
+            raise ValueError(automatic_batching_off_error())
+        sampler = getattr(dataloader, "sampler", None)
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        for candidate in (sampler, getattr(batch_sampler, "sampler", None)):
+            message = sampler_split_error(candidate, self.dp_size, self.dp_rank, self.sp_size)
+            if message is not None:
+                raise ValueError(message)
+
+    def _seed_workers_by_dp_rank(self, dataloader: Any) -> None:
+        """``seed_everything(workers=True)`` makes Lightning seed DataLoader workers by the *global* rank, so SP peers
+        would draw different random crops; seed them by the data-parallel rank instead (SP peers alike, replicas
+        apart; with ``sp_size=1`` this is Lightning's seeding)."""
+        if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", 0) is None:
+            from functools import partial
+
+            from lightning.fabric.utilities.seed import pl_worker_init_function
+
+            dataloader.worker_init_fn = partial(pl_worker_init_function, rank=self.dp_rank)
 
     def _micro_steps_taken(self) -> int:
         return int(getattr(self.model, "micro_steps", 0))
@@ -431,17 +496,43 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             _checkpoint.continue_truncated_epoch(checkpoint, trainer.num_training_batches)
         checkpoint = {**checkpoint, _checkpoint.CLIENT_STATE_KEY: {**record, "hf_models": hf_models}}
         super().save_checkpoint(checkpoint, filepath)  # ends with DeepSpeed's barrier: every rank's files are written
+        digests = self._hash_checkpoint_files(filepath) if self.verify_checkpoints else None
         if self.is_global_zero:
-            _checkpoint.commit_checkpoint(filepath, record)
+            _checkpoint.commit_checkpoint(filepath, record, digests)
         self.barrier("ulysses_checkpoint_commit")
+
+    def _hash_checkpoint_files(self, filepath: Any) -> dict[str, str]:
+        """SHA-256 of every file of the checkpoint, each rank hashing its share in parallel; the union on every rank."""
+        names = self.broadcast(_checkpoint.checkpoint_files(filepath) if self.is_global_zero else None)
+        mine = integrity.digests(Path(filepath), integrity.share_of(names, self.global_rank, self.world_size))
+        everyone: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(everyone, mine)
+        return {name: digest for part in everyone for name, digest in part.items()}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if os.path.isdir(checkpoint_path):
-            # Incomplete checkpoints (a run killed while saving) and other world sizes fail here, before DeepSpeed.
-            _checkpoint.validate_for_loading(checkpoint_path, self.world_size)
+            # Incomplete or corrupt checkpoints, other world sizes and (when resuming) other ZeRO stages fail here,
+            # before DeepSpeed reads anything.
+            assert isinstance(self.config, dict)
+            stage = int(self.config.get("zero_optimization", {}).get("stage", 0))
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            resuming = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+            marker = _checkpoint.validate_for_loading(checkpoint_path, self.world_size, stage if resuming else None)
+            if marker is not None and self.verify_checkpoints:
+                self._verify_checkpoint_digests(checkpoint_path)
         with _checkpoint.zero3_inference_loading(self.deepspeed_engine if self.zero_stage_3 else None):
             return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def _verify_checkpoint_digests(self, checkpoint_path: Any) -> None:
+        """Every rank re-hashes its share of the files; any mismatch raises on every rank."""
+        files = sorted((_checkpoint.read_marker(checkpoint_path) or {}).get("files", {}))
+        mine = _checkpoint.verify_digests(checkpoint_path, integrity.share_of(files, self.global_rank, self.world_size))
+        everyone: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(everyone, mine)
+        wrong = [name for part in everyone for name in part]
+        if wrong:
+            raise ValueError(f"Cannot resume from this checkpoint: {_checkpoint.digest_mismatch_error(checkpoint_path, wrong)}")
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
@@ -455,6 +546,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             unwrap_attention_core(core)
         self._prepared_models, self._wrapped_cores = [], []
         self._context = None
+        self._step_queues = {}
         super().teardown()
 
     @classmethod
@@ -469,6 +561,18 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         for name, (description, init_params) in names.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, **init_params)
+
+
+def _loader_kind(trainer: Any) -> str:
+    """Which step kind the loader being prepared feeds: "train", "validate" (also the sanity check), "test" or
+    "predict"."""
+    if trainer is None or trainer.training:
+        return "train"
+    if trainer.testing:
+        return "test"
+    if trainer.predicting:
+        return "predict"
+    return "validate"
 
 
 def _use_deepspeed_cpu_accelerator() -> None:

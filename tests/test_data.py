@@ -227,9 +227,9 @@ def test_non_dict_or_missing_input_ids_raises_type_error(batch, fragment):
 
 
 def test_input_ids_must_be_2d_tensor():
-    with pytest.raises(TypeError, match=r"`input_ids` must be a \[B, S\] tensor"):
+    with pytest.raises(TypeError, match=r"`input_ids` must be an integer tensor of shape \[B, S\]"):
         shard_batch({"input_ids": torch.ones(8, dtype=torch.long)}, 2, 0)
-    with pytest.raises(TypeError, match=r"`input_ids` must be a \[B, S\] tensor"):
+    with pytest.raises(TypeError, match=r"`input_ids` must be an integer tensor of shape \[B, S\]"):
         shard_batch({"input_ids": [[1, 2], [3, 4]]}, 2, 0)
 
 
@@ -460,3 +460,66 @@ def test_packed_rows_give_document_offsets_and_no_cross_document_targets():
 def test_unpacked_rows_have_no_document_offsets():
     info = shard_batch({"input_ids": torch.ones(2, 8, dtype=torch.long)}, 2, 0)["_ulysses"]
     assert not info.packed and info.cu_seqlens is None and info.seq_len == 8
+
+
+# ----------------------------------------------------------------------------------------------- batch contract
+def _ids(B=2, S=8):
+    return torch.arange(1, B * S + 1).view(B, S)
+
+
+@pytest.mark.parametrize("batch, error, phrase", [
+    ({"input_ids": torch.ones(2, 8)}, TypeError, "`input_ids` must be an integer tensor of shape [B, S]"),
+    ({"input_ids": _ids(), "labels": _ids(2, 7)}, ValueError, "`labels` must be an integer tensor of shape [B, S] = [2, 8]"),
+    ({"input_ids": _ids(), "labels": _ids().float()}, ValueError, "`labels` must be an integer tensor"),
+    ({"input_ids": _ids(), "shift_labels": _ids(1, 8)}, ValueError, "`shift_labels` must be an integer tensor"),
+    ({"input_ids": _ids(), "position_ids": torch.arange(8)}, ValueError,
+     "`position_ids` must be an integer tensor of shape [B, S] = [2, 8] or [1, S] = [1, 8]"),
+    ({"input_ids": _ids(), "position_ids": torch.arange(7)[None]}, ValueError, "got torch.int64 of shape [1, 7]"),
+    ({"input_ids": _ids(), "attention_mask": torch.ones(2, 1, 8, 8)}, ValueError, "custom attention masks cannot be split"),
+    ({"input_ids": _ids(), "labels": _ids(), "attention_mask": torch.ones(2, 1, 8, 8)}, ValueError, "attention_mask` is 4-D"),
+    ({"input_ids": _ids(), "shift_labels": _ids(), "attention_mask": torch.ones(2, 1, 8, 8)}, ValueError,
+     "give `position_ids` that restart at 0"),
+    ({"input_ids": _ids(), "attention_mask": torch.ones(2, 9)}, ValueError, "`attention_mask` must be a [B, S] = [2, 8] padding mask"),
+])
+def test_batch_contract_names_the_key_and_the_expected_shape(batch, error, phrase):
+    with pytest.raises(error) as err:
+        shard_batch(batch, 2, 0)
+    assert phrase in str(err.value)
+
+
+def test_right_padding_with_any_position_on_the_pads_is_not_packing():
+    ids = _ids(2, 8)
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    expected = shard_batch({"input_ids": ids, "labels": ids, "attention_mask": mask}, 2, 1)
+    for pad_positions in (0, 7, -1):
+        positions = torch.arange(8).repeat(2, 1)
+        positions[1, 5:] = pad_positions  # e.g. collators that write 0 on pads
+        out = shard_batch({"input_ids": ids, "labels": ids, "attention_mask": mask, "position_ids": positions}, 2, 1)
+        assert not out["_ulysses"].packed
+        assert torch.equal(out["shift_labels"], expected["shift_labels"])
+
+
+def test_none_values_mean_absent():
+    ids = _ids()
+    out = shard_batch({"input_ids": ids, "labels": ids, "attention_mask": None, "position_ids": None}, 2, 0)
+    ref = shard_batch({"input_ids": ids, "labels": ids}, 2, 0)
+    assert out.keys() == ref.keys()
+    for key in ("input_ids", "shift_labels", "position_ids"):
+        assert torch.equal(out[key], ref[key])
+
+
+def test_fingerprint_sees_every_element_and_the_order():
+    from lightning_ulysses.agreement import batch_fingerprint
+
+    ids = _ids()
+    base = batch_fingerprint({"input_ids": ids, "labels": ids})
+    assert base == batch_fingerprint({"labels": ids.clone(), "input_ids": ids.clone()})  # key order irrelevant
+    changed = ids.clone()
+    changed[1, 7] += 1
+    assert batch_fingerprint({"input_ids": changed, "labels": ids}) != base
+    assert batch_fingerprint({"input_ids": ids.flip(0), "labels": ids}) != base
+    assert batch_fingerprint({"input_ids": ids.int(), "labels": ids}) != base
+    assert batch_fingerprint({"input_ids": ids[:, :7], "labels": ids}) != base
+    assert 0 <= base < 2**62
+    fingerprinted = shard_batch({"input_ids": ids, "labels": ids}, 2, 1, fingerprint=True)["_ulysses"]
+    assert fingerprinted.fingerprint == base and fingerprinted.batch_size == 2

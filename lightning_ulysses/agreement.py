@@ -1,0 +1,111 @@
+"""SP-peer agreement: every rank of an SP group must cut its shard from the SAME full batch.
+
+If peers hold different samples (a user's own ``DistributedSampler`` over the whole world, an ``IterableDataset``
+split by global rank, random augmentation seeded per rank), equal lengths train on stitched shards of different
+samples with normal-looking losses, unequal lengths abort inside the all-to-all, and unequal batch counts hang. So
+the collate step fingerprints the full batch before cutting the shard (:func:`batch_fingerprint`, in the loader's
+workers), and before each step's compute the SP group compares fingerprints with one tiny all-reduce
+(:class:`SPAgreement`). A rank whose loader is exhausted takes part once more with an end-of-data marker, so a peer
+that still has a batch fails the comparison instead of waiting forever in its next collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+END_OF_DATA = -1  # the fingerprint a rank reports when its loader has no further batch
+_MASK = (1 << 62) - 1  # fingerprints are non-negative and below 2**62, so -fingerprint fits in int64
+
+
+def batch_fingerprint(batch: Mapping[str, Any]) -> int:
+    """A 62-bit digest (BLAKE2b) of every tensor of a full batch: its key, dtype, shape and bytes. Two batches that
+    differ in any element, order, length or dtype get different fingerprints (up to a 2**-62 chance)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for key in sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor)):
+        value: torch.Tensor = batch[key]
+        digest.update(f"{key}|{value.dtype}|{tuple(value.shape)}|".encode())
+        data = value.detach()
+        if data.device.type != "cpu":
+            data = data.cpu()
+        if data.dtype == torch.bool:
+            data = data.to(torch.uint8)
+        digest.update(data.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") & _MASK
+
+
+class SPPeerMismatchError(RuntimeError):
+    """The ranks of an SP group do not hold the same full batch (or not the same number of batches)."""
+
+
+class SPAgreement:
+    """Compares the batch every rank of an SP group is about to train on (one all-reduce of 6 int64 per step).
+
+    Args:
+        group: the SP group.
+        group_ranks: its global ranks (for the error message).
+        device: where the collective's tensor lives (CUDA for nccl).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, group_ranks: list[int], device: torch.device) -> None:
+        self.group = group
+        self.group_ranks = group_ranks
+        self.device = device
+
+    def verify(self, fingerprint: int, seq_len: int, batch_size: int, where: str) -> None:
+        """Raise :class:`SPPeerMismatchError` on every rank of the group unless all hold the same batch."""
+        # [6] int64: (S, B, fp) and their negatives; MAX over the group gives each one's max and -min.
+        values = torch.tensor([seq_len, batch_size, fingerprint], dtype=torch.int64)
+        both = torch.cat([values, -values]).to(self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        high, low = both[:3].tolist(), [-v for v in both[3:].tolist()]
+        if high != low:
+            raise SPPeerMismatchError(self._message(where, high, low))
+
+    def verify_end_of_data(self, where: str) -> None:
+        """Called when this rank's loader is exhausted; fails if a peer still has a batch."""
+        self.verify(END_OF_DATA, END_OF_DATA, END_OF_DATA, where)
+
+    def _message(self, where: str, high: list[int], low: list[int]) -> str:
+        if low[2] == END_OF_DATA:
+            what = ("some ranks' data loaders ran out of batches while others still had one (unequal numbers of"
+                    " batches)")
+        elif high[0] != low[0] or high[1] != low[1]:
+            what = (f"the ranks hold full batches of different shapes ([B, S] from [{low[1]}, {low[0]}] to"
+                    f" [{high[1]}, {high[0]}])")
+        else:
+            what = "the ranks hold different full batches of the same shape (their contents differ)"
+        return (
+            f"UlyssesDeepSpeedStrategy: the ranks {self.group_ranks} of one sequence-parallel group must train on the"
+            f" SAME full batch ({where}), and {what}. The strategy cuts every rank's shard from the full batch, so"
+            " SP peers must read identical samples; only data-parallel replicas read different ones. Likely causes:"
+            " (1) your own `DistributedSampler(dataset)`: it splits over all ranks; use"
+            " `DistributedSampler(dataset, num_replicas=trainer.strategy.dp_size, rank=trainer.strategy.dp_rank)` or"
+            " let Lightning add the sampler (`use_distributed_sampler=True`, the default);"
+            " (2) an `IterableDataset` that splits its stream by global rank: split by `trainer.strategy.dp_rank`"
+            " of `trainer.strategy.dp_size` instead;"
+            " (3) random cropping/augmentation seeded per rank (e.g. `worker_init_fn` using the global rank, or"
+            " per-rank seeds): seed it by the data-parallel rank. The check runs before every step; turn it off"
+            " with `UlyssesDeepSpeedStrategy(check_sp_agreement=False)` only if your peers provably agree."
+        )
+
+
+def sampler_split_error(sampler: Any, dp_size: int, dp_rank: int, sp_size: int) -> Optional[str]:
+    """The error for a ``DistributedSampler`` that does not split over the data-parallel replicas (``None`` if fine)."""
+    from torch.utils.data import DistributedSampler
+
+    if not isinstance(sampler, DistributedSampler):
+        return None
+    if (sampler.num_replicas, sampler.rank) == (dp_size, dp_rank):
+        return None
+    return (
+        f"The DataLoader's DistributedSampler splits the data over {sampler.num_replicas} replicas (this rank:"
+        f" {sampler.rank}), but under UlyssesDeepSpeedStrategy(sp_size={sp_size}) all ranks of a sequence-parallel"
+        f" group must read the same samples: split over the {dp_size} data-parallel replicas, i.e."
+        f" `DistributedSampler(dataset, num_replicas=trainer.strategy.dp_size, rank=trainer.strategy.dp_rank)`"
+        f" (here num_replicas={dp_size}, rank={dp_rank}), or pass no sampler and let Lightning add it"
+        " (`use_distributed_sampler=True`, the default)."
+    )

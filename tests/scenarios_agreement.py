@@ -1,0 +1,146 @@
+"""Paths on which SP peers could train on different data or lose the step state, through a real Trainer.
+
+Run by ``tests/test_agreement.py`` as ``launch(2, "tests.scenarios_agreement:run", payload)`` (sp_size=2, so every
+rank is an SP peer of the other). Each case reports the exception it ended with (type, message, seconds from the
+start of ``fit``), how many training steps ran, the losses each rank saw (bit patterns, for exact comparisons) and
+the fingerprints of the full batches the rank trained on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, seed_everything
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from lightning_ulysses import UlyssesDeepSpeedStrategy
+from tests.models import SEED, VOCAB, CausalLM, TokenDataset, tiny_llama_config
+from tests.scenarios import LAUNCH_WORLD_SIZE, make_trainer
+
+
+class RankSplitStream(IterableDataset):
+    """The usual DDP idiom: each *global* rank reads its own slice of the stream (wrong under SP)."""
+
+    def __init__(self, rows_per_rank: list[int], lengths: list[int]) -> None:
+        self.rows_per_rank, self.lengths = rows_per_rank, lengths
+
+    def __iter__(self):
+        rank = torch.distributed.get_rank()
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(self.rows_per_rank[rank]):
+            row = torch.randint(1, VOCAB, (self.lengths[rank],), generator=g)
+            yield {"input_ids": row, "labels": row.clone()}
+
+
+class SameStreamPerRank(IterableDataset):
+    """Every rank reads the same rows, but rank 0 reads one more (unequal batch counts)."""
+
+    def __iter__(self):
+        rank = torch.distributed.get_rank()
+        g = torch.Generator().manual_seed(5)
+        for _ in range(3 if rank == 0 else 2):
+            row = torch.randint(1, VOCAB, (16,), generator=g)
+            yield {"input_ids": row, "labels": row.clone()}
+
+
+class RandomCrops(Dataset):
+    """Random 16-token crops of longer rows, drawn with torch's RNG in the worker (random augmentation)."""
+
+    def __init__(self) -> None:
+        self.rows = torch.randint(1, VOCAB, (8, 64), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        start = int(torch.randint(0, 48, (1,)))
+        row = self.rows[i, start:start + 16]
+        return {"input_ids": row, "labels": row.clone()}
+
+
+class Module(CausalLM):
+    """``CausalLM`` with a configurable train loader and an optional batch-rebuilding hook; counts steps."""
+
+    def __init__(self, case: dict) -> None:
+        super().__init__(tiny_llama_config(), dataset=TokenDataset(8, 16), batch_size=1)
+        self.case = case
+        self.steps = 0
+
+    def train_dataloader(self) -> DataLoader:
+        loader = self.case["loader"]
+        if loader == "own_world_sampler":
+            return DataLoader(self.dataset, batch_size=1, sampler=DistributedSampler(self.dataset))
+        if loader == "own_dp_sampler":
+            strategy = self.trainer.strategy
+            return DataLoader(self.dataset, batch_size=1,
+                              sampler=DistributedSampler(self.dataset, num_replicas=strategy.dp_size,
+                                                         rank=strategy.dp_rank))
+        if loader == "stream_equal":
+            return DataLoader(RankSplitStream([4, 4], [16, 16]), batch_size=1)
+        if loader == "stream_lengths":
+            return DataLoader(RankSplitStream([4, 4], [16, 12]), batch_size=1)
+        if loader == "stream_counts":
+            return DataLoader(SameStreamPerRank(), batch_size=1)
+        if loader == "crops_seeded_workers":  # seed_everything(workers=True): Lightning adds the worker_init_fn
+            return DataLoader(RandomCrops(), batch_size=1, num_workers=1)
+        if loader == "crops_global_rank_init":  # what Lightning alone would install: seeds by global rank
+            from lightning.fabric.utilities.seed import pl_worker_init_function
+
+            return DataLoader(RandomCrops(), batch_size=1, num_workers=1,
+                              worker_init_fn=partial(pl_worker_init_function, rank=torch.distributed.get_rank()))
+        if loader == "unbatched":
+            return DataLoader(self.dataset, batch_size=None)
+        return super().train_dataloader()
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        if self.case.get("rebuild_batch"):  # a user hook that rebuilds the dict from the keys it knows
+            return {key: batch[key] for key in ("input_ids", "labels", "shift_labels", "position_ids")}
+        return batch
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+class FullBatchRecorder(Callback):
+    """Loss bit patterns per step, and the fingerprint of every full batch this rank trained on."""
+
+    def __init__(self) -> None:
+        self.loss_bits: list[int] = []
+        self.fingerprints: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.fingerprints.append(trainer.strategy.current_shard.fingerprint)  # the step's batch (set in the step)
+        self.loss_bits.append(outputs["loss"].detach().float().view(torch.int32).item())
+
+
+def _fit(case: dict) -> dict:
+    seed_everything(SEED, workers=case.get("seed_workers", False), verbose=False)
+    module = Module(case)
+    recorder = FullBatchRecorder()
+    strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=case.get("stage", 2), **case.get("strategy", {}))
+    trainer = make_trainer(strategy, case.get("max_steps", 4), callbacks=[recorder], **case.get("trainer", {}))
+    result: dict[str, Any] = {"error_type": None, "message": None}
+    start = time.monotonic()
+    try:
+        trainer.fit(module)
+    except Exception as err:  # noqa: BLE001 - the test asserts on the type
+        result.update(error_type=type(err).__name__, message=str(err))
+    result.update(seconds=time.monotonic() - start, steps=module.steps, loss_bits=recorder.loss_bits,
+                  fingerprints=recorder.fingerprints, global_step=trainer.global_step,
+                  weights={k: v.detach().float().clone() for k, v in module.model.named_parameters()}
+                  if case.get("stage", 2) != 3 else None)
+    os.environ.pop("PL_SEED_WORKERS", None)
+    return result
+
+
+def run(payload: dict) -> dict:
+    results = {}
+    for case in payload["cases"]:
+        os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)  # Lightning's teardown removes it after every fit
+        results[case["name"]] = _fit(case)
+    return results

@@ -1,0 +1,120 @@
+"""Nothing silent: SP peers that would train on different data stop with a clear error on every rank within seconds
+(no hang); user hooks cannot drop the step state; the loss value is bitwise the same on every rank.
+
+One launch of 2 real gloo processes (sp_size=2) runs every case through ``trainer.fit``
+(``tests/scenarios_agreement.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.launcher import launch
+
+CASES = [
+    {"name": "baseline"},
+    {"name": "own_world_sampler", "loader": "own_world_sampler"},
+    {"name": "own_world_sampler_no_injection", "loader": "own_world_sampler",
+     "trainer": {"use_distributed_sampler": False}},
+    {"name": "own_dp_sampler", "loader": "own_dp_sampler"},
+    {"name": "stream_equal", "loader": "stream_equal"},
+    {"name": "stream_lengths", "loader": "stream_lengths"},
+    {"name": "stream_counts", "loader": "stream_counts", "max_steps": 10},
+    {"name": "crops_seeded_workers", "loader": "crops_seeded_workers", "seed_workers": True},
+    {"name": "crops_global_rank_init", "loader": "crops_global_rank_init"},
+    {"name": "crops_check_off", "loader": "crops_global_rank_init", "strategy": {"check_sp_agreement": False}},
+    {"name": "unbatched", "loader": "unbatched"},
+    {"name": "accumulate2", "trainer": {"accumulate_grad_batches": 2}},
+    {"name": "accumulate2_rebuilt_batch", "trainer": {"accumulate_grad_batches": 2}, "rebuild_batch": True},
+    {"name": "accumulate4_zero3", "stage": 3, "max_steps": 2, "trainer": {"accumulate_grad_batches": 4}},
+    {"name": "accumulate2_zero3", "stage": 3, "trainer": {"accumulate_grad_batches": 2}},
+]
+WITHIN_SECONDS = 60  # a hang would last until gloo's 30-minute timeout (the launch itself is capped)
+
+
+@pytest.fixture(scope="module")
+def results():
+    by_rank = launch(2, "tests.scenarios_agreement:run", {"cases": CASES}, timeout=900)
+    return {case["name"]: [r[case["name"]] for r in by_rank] for case in CASES}
+
+
+def _assert_trained(ranks, steps=4):
+    for r in ranks:
+        assert r["error_type"] is None, r["message"]
+        assert r["global_step"] == steps
+    assert ranks[0]["fingerprints"] == ranks[1]["fingerprints"]  # SP peers trained on the same full batches
+
+
+def _assert_stopped(ranks, error_type, *phrases, max_steps_run=0):
+    for r in ranks:
+        assert r["error_type"] == error_type, (r["error_type"], r["message"])
+        for phrase in phrases:
+            assert phrase in r["message"], r["message"]
+        assert r["steps"] <= max_steps_run
+        assert r["seconds"] < WITHIN_SECONDS
+
+
+def test_peers_agree_on_lightnings_own_sampler(results):
+    _assert_trained(results["baseline"])
+    assert len(set(results["baseline"][0]["fingerprints"])) == 4  # 4 different batches, each the same on both
+
+
+def test_own_sampler_over_the_world_is_refused_before_compute(results):
+    for name in ("own_world_sampler", "own_world_sampler_no_injection"):
+        _assert_stopped(results[name], "ValueError", "splits the data over 2 replicas",
+                        "num_replicas=trainer.strategy.dp_size, rank=trainer.strategy.dp_rank")
+
+
+def test_own_sampler_over_the_dp_replicas_trains(results):
+    _assert_trained(results["own_dp_sampler"])
+
+
+def test_stream_split_by_global_rank_stops_every_rank(results):
+    _assert_stopped(results["stream_equal"], "SPPeerMismatchError", "different full batches of the same shape",
+                    "DistributedSampler", "IterableDataset", "check_sp_agreement=False")
+
+
+def test_unequal_lengths_stop_before_the_exchange(results):
+    # Without the check: gloo aborted in C++ inside the all-to-all ("Received data size doesn't match").
+    _assert_stopped(results["stream_lengths"], "SPPeerMismatchError", "different shapes", "[1, 12]", "[1, 16]")
+
+
+def test_unequal_batch_counts_stop_instead_of_hanging(results):
+    _assert_stopped(results["stream_counts"], "SPPeerMismatchError", "ran out of batches", max_steps_run=2)
+
+
+def test_seeded_workers_draw_the_same_random_crops_on_sp_peers(results):
+    _assert_trained(results["crops_seeded_workers"])
+
+
+def test_workers_seeded_by_global_rank_are_caught(results):
+    _assert_stopped(results["crops_global_rank_init"], "SPPeerMismatchError", "different full batches")
+
+
+def test_the_check_can_be_turned_off(results):
+    ranks = results["crops_check_off"]
+    for r in ranks:
+        assert r["error_type"] is None and r["global_step"] == 4
+        assert r["fingerprints"] == [None] * 4  # not even computed
+
+
+def test_unbatched_loader_is_a_clear_error(results):
+    _assert_stopped(results["unbatched"], "ValueError", "batch_size=None", "batch_size=1")
+
+
+def test_hook_that_rebuilds_the_batch_keeps_exact_accumulation(results):
+    plain, rebuilt = results["accumulate2"], results["accumulate2_rebuilt_batch"]
+    _assert_trained(plain)
+    _assert_trained(rebuilt)
+    assert rebuilt[0]["loss_bits"] == plain[0]["loss_bits"]
+    for name, value in plain[0]["weights"].items():
+        assert torch.equal(rebuilt[0]["weights"][name], value), name
+
+
+@pytest.mark.parametrize("name, steps", [("accumulate2", 4), ("accumulate2_zero3", 4), ("accumulate4_zero3", 2)])
+def test_loss_value_is_bitwise_the_same_on_every_rank(results, name, steps):
+    ranks = results[name]
+    _assert_trained(ranks, steps)
+    assert len(ranks[0]["loss_bits"]) == steps * (4 if "accumulate4" in name else 2)
+    assert ranks[0]["loss_bits"] == ranks[1]["loss_bits"]
