@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_ulysses import checkpoint as _checkpoint
@@ -448,6 +449,16 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             from lightning.fabric.utilities.seed import pl_worker_init_function
 
             dataloader.worker_init_fn = partial(pl_worker_init_function, rank=self.dp_rank)
+
+    @override
+    def _auto_select_batch_size(self) -> int:
+        # Lightning reads `train_dataloader.batch_sampler.batch_size`, an AttributeError for an unbatched loader.
+        data_source = self.lightning_module.trainer.fit_loop._data_source
+        if data_source.is_defined():
+            loader = data_source.dataloader()
+            if isinstance(loader, DataLoader) and loader.batch_sampler is None:
+                raise ValueError(automatic_batching_off_error())
+        return super()._auto_select_batch_size()
 
     def _micro_steps_taken(self) -> int:
         return int(getattr(self.model, "micro_steps", 0))

@@ -71,7 +71,7 @@ class Module(CausalLM):
         self.steps = 0
 
     def train_dataloader(self) -> DataLoader:
-        loader = self.case["loader"]
+        loader = self.case.get("loader")
         if loader == "own_world_sampler":
             return DataLoader(self.dataset, batch_size=1, sampler=DistributedSampler(self.dataset))
         if loader == "own_dp_sampler":
@@ -106,6 +106,19 @@ class Module(CausalLM):
         return super().training_step(batch, batch_idx)
 
 
+class NoAttentionLM(Module):
+    """A LightningModule whose model has no attention at all (embedding + linear): nothing for SP to switch."""
+
+    def __init__(self, case: dict) -> None:
+        super().__init__(case)
+        self.model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB))
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        logits = self.model(batch["input_ids"])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
+
+
 class FullBatchRecorder(Callback):
     """Loss bit patterns per step, and the fingerprint of every full batch this rank trained on."""
 
@@ -120,7 +133,7 @@ class FullBatchRecorder(Callback):
 
 def _fit(case: dict) -> dict:
     seed_everything(SEED, workers=case.get("seed_workers", False), verbose=False)
-    module = Module(case)
+    module = NoAttentionLM(case) if case.get("module") == "no_attention" else Module(case)
     recorder = FullBatchRecorder()
     strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=case.get("stage", 2), **case.get("strategy", {}))
     trainer = make_trainer(strategy, case.get("max_steps", 4), callbacks=[recorder], **case.get("trainer", {}))
@@ -129,11 +142,13 @@ def _fit(case: dict) -> dict:
     try:
         trainer.fit(module)
     except Exception as err:  # noqa: BLE001 - the test asserts on the type
-        result.update(error_type=type(err).__name__, message=str(err))
+        import traceback
+
+        result.update(error_type=type(err).__name__, message=str(err), traceback=traceback.format_exc())
     result.update(seconds=time.monotonic() - start, steps=module.steps, loss_bits=recorder.loss_bits,
                   fingerprints=recorder.fingerprints, global_step=trainer.global_step,
                   weights={k: v.detach().float().clone() for k, v in module.model.named_parameters()}
-                  if case.get("stage", 2) != 3 else None)
+                  if case.get("stage", 2) != 3 and case.get("module") is None else None)
     os.environ.pop("PL_SEED_WORKERS", None)
     return result
 

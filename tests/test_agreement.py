@@ -25,6 +25,7 @@ CASES = [
     {"name": "crops_global_rank_init", "loader": "crops_global_rank_init"},
     {"name": "crops_check_off", "loader": "crops_global_rank_init", "strategy": {"check_sp_agreement": False}},
     {"name": "unbatched", "loader": "unbatched"},
+    {"name": "no_attention", "module": "no_attention"},
     {"name": "accumulate2", "trainer": {"accumulate_grad_batches": 2}},
     {"name": "accumulate2_rebuilt_batch", "trainer": {"accumulate_grad_batches": 2}, "rebuild_batch": True},
     {"name": "accumulate4_zero3", "stage": 3, "max_steps": 2, "trainer": {"accumulate_grad_batches": 4}},
@@ -101,6 +102,11 @@ def test_the_check_can_be_turned_off(results):
 
 def test_unbatched_loader_is_a_clear_error(results):
     _assert_stopped(results["unbatched"], "ValueError", "batch_size=None", "batch_size=1")
+
+
+def test_sp_with_no_attention_to_switch_is_an_error_before_compute(results):
+    _assert_stopped(results["no_attention"], "ValueError", "found no Hugging Face PreTrainedModel and no attention"
+                    " core", "attention_modules=[...]", "sp_size=1")
 
 
 def test_hook_that_rebuilds_the_batch_keeps_exact_accumulation(results):
