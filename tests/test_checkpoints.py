@@ -314,6 +314,95 @@ def test_export_refuses_an_incomplete_checkpoint(killed, tmp_path):
         export_checkpoint(killed["dir"] / "step=8.ckpt", tmp_path / "export")
 
 
+# ----------------------------------------------------------------------------------------------- trust
+def _flip_a_byte(path: Path) -> None:
+    """Same-size corruption in the middle of the file (what a size check cannot see)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def tampered(root, zero2):
+    """Copies of the ZeRO-2 step-4 checkpoint with one flipped byte in the model shard / an optimizer shard, and
+    resumes from them (and from the intact one at ZeRO 3): every one must stop before DeepSpeed reads anything."""
+    import shutil
+
+    source = root / "z2" / "step=4.ckpt"
+    for name, file in (("model_flip", "checkpoint/mp_rank_00_model_states.pt"),
+                       ("optim_flip", "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt")):
+        shutil.copytree(source, root / "tampered" / f"{name}.ckpt")
+        _flip_a_byte(root / "tampered" / f"{name}.ckpt" / file)
+    runs = {
+        "model_flip": _resume(2, "tampered/model_flip.ckpt", may_fail=True),
+        "optim_flip": _resume(2, "tampered/optim_flip.ckpt", may_fail=True),
+        "stage_change": _resume(3, "z2/step=4.ckpt", may_fail=True),
+    }
+    return launch(2, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": runs})
+
+
+def test_checkpoint_marker_records_every_files_sha256(zero2, root):
+    import hashlib
+
+    checkpoint = root / "z2" / "step=4.ckpt"
+    files = json.loads((checkpoint / MARKER).read_text())["files"]
+    assert len(files) >= 4  # latest, the model states, two optimizer shards
+    for name, entry in files.items():
+        assert entry["size"] == (checkpoint / name).stat().st_size
+        assert entry["sha256"] == hashlib.sha256((checkpoint / name).read_bytes()).hexdigest(), name
+
+
+@pytest.mark.parametrize("name, file", [("model_flip", "checkpoint/mp_rank_00_model_states.pt"),
+                                        ("optim_flip", "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt")])
+def test_same_size_corruption_is_refused_on_resume_and_export(tampered, root, tmp_path, name, file):
+    for rank in tampered:
+        error_type, message = rank[name]["error"]
+        assert error_type == "ValueError"
+        assert "Cannot resume from this checkpoint" in message and f"the bytes of {file} differ" in message
+        assert "verify_checkpoints=False" in message
+    with pytest.raises(ValueError, match=f"Cannot export: .*the bytes of {file} differ"):
+        export_checkpoint(root / "tampered" / f"{name}.ckpt", tmp_path / "export")
+    assert checkpoint_status(root / "tampered" / f"{name}.ckpt") == (True, "")  # sizes alone cannot tell
+
+
+def test_resume_at_another_zero_stage_names_both_stages(tampered):
+    for rank in tampered:
+        error_type, message = rank["stage_change"]["error"]
+        assert error_type == "ValueError"
+        assert "was saved at ZeRO stage 2 and this run uses stage 3" in message
+        assert "UlyssesDeepSpeedStrategy(stage=2, ...)" in message and "export_checkpoint" in message
+
+
+def test_export_does_not_run_code_from_a_checkpoint(root, tmp_path):
+    """A checkpoint whose model file carries a pickle that would run a command (and whose marker an attacker
+    rewrote to match) is refused by the restricted unpickler; the command never runs."""
+    import pickle
+    import shutil
+
+    from lightning_ulysses.checkpoint import commit_checkpoint, read_marker
+    from lightning_ulysses.integrity import digests
+
+    evil = root / "tampered" / "evil.ckpt"
+    shutil.copytree(root / "z2" / "step=4.ckpt", evil)
+    proof = tmp_path / "code-ran"
+
+    class RunsCode:
+        def __reduce__(self):
+            return (subprocess.call, (["touch", str(proof)],))
+
+    model_file = evil / "checkpoint" / "mp_rank_00_model_states.pt"
+    state = torch.load(model_file, weights_only=False)
+    torch.save({**state, "payload": RunsCode()}, model_file)
+    record = {k: v for k, v in read_marker(evil).items() if k not in ("files", "complete", "format")}
+    names = [n for n in read_marker(evil)["files"]]
+    commit_checkpoint(evil, record, digests(evil, names))
+    with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
+        export_checkpoint(evil, tmp_path / "export")
+    assert not proof.exists()
+    torch.load(model_file, weights_only=False)  # the same file unpickled unrestricted does run it: the test can fail
+    assert proof.exists()
+
+
 # ----------------------------------------------------------------------------------------------- the loader alone
 @pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "persistent-worker"])
 def test_resumable_loader_skips_the_saved_batches_once(workers):
