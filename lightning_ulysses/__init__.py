@@ -7,6 +7,8 @@ training is the one a single device would run. Importing this package registers 
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_ulysses.agreement import SPPeerMismatchError, batch_fingerprint
+
 from lightning_ulysses.attention import UlyssesAttention, ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelThroughputMonitor
 from lightning_ulysses.checkpoint import checkpoint_status, export_checkpoint, find_last_complete_checkpoint
@@ -20,6 +22,7 @@ from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
 UlyssesDeepSpeedStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "SPPeerMismatchError",
     "SequenceParallelLayout",
     "SequenceParallelThroughputMonitor",
     "SequenceShardingCollate",
@@ -27,6 +30,7 @@ __all__ = [
     "TokenWeightedPerplexity",
     "UlyssesAttention",
     "UlyssesDeepSpeedStrategy",
+    "batch_fingerprint",
     "checkpoint_status",
     "export_checkpoint",
     "find_last_complete_checkpoint",
