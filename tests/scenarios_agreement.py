@@ -92,6 +92,14 @@ class Module(CausalLM):
 
             return DataLoader(RandomCrops(), batch_size=1, num_workers=1,
                               worker_init_fn=partial(pl_worker_init_function, rank=torch.distributed.get_rank()))
+        if loader == "mask_4d":  # a collate that builds a custom [B, 1, S, S] mask
+            def collate(samples):
+                batch = torch.utils.data.default_collate(samples)
+                S = batch["input_ids"].shape[1]
+                batch["attention_mask"] = torch.ones(len(samples), 1, S, S).tril()
+                return batch
+
+            return DataLoader(self.dataset, batch_size=1, collate_fn=collate)
         if loader == "unbatched":
             return DataLoader(self.dataset, batch_size=None)
         return super().train_dataloader()
@@ -103,6 +111,15 @@ class Module(CausalLM):
 
     def training_step(self, batch, batch_idx):
         self.steps += 1
+        if self.case.get("tutorial_loss"):  # DeepSpeed's Ulysses tutorial loss code, pasted into training_step
+            import torch.distributed.nn.functional as dist_fn
+
+            group = self.trainer.strategy.sp_group
+            loss = self.model(**batch).loss
+            good_tokens = (batch["shift_labels"] != -100).sum()
+            losses = dist_fn.all_gather(loss, group=group)
+            tokens = dist_fn.all_gather(good_tokens, group=group)
+            return sum(l * t for l, t in zip(losses, tokens)) / sum(tokens)
         return super().training_step(batch, batch_idx)
 
 

@@ -26,7 +26,10 @@ CASES = [
     {"name": "crops_check_off", "loader": "crops_global_rank_init", "strategy": {"check_sp_agreement": False}},
     {"name": "unbatched", "loader": "unbatched"},
     {"name": "no_attention", "module": "no_attention"},
+    {"name": "mask_4d", "loader": "mask_4d"},
+    {"name": "tutorial_loss", "tutorial_loss": True},
     {"name": "accumulate2", "trainer": {"accumulate_grad_batches": 2}},
+    {"name": "accumulate4", "max_steps": 2, "trainer": {"accumulate_grad_batches": 4}},
     {"name": "accumulate2_rebuilt_batch", "trainer": {"accumulate_grad_batches": 2}, "rebuild_batch": True},
     {"name": "accumulate4_zero3", "stage": 3, "max_steps": 2, "trainer": {"accumulate_grad_batches": 4}},
     {"name": "accumulate2_zero3", "stage": 3, "trainer": {"accumulate_grad_batches": 2}},
@@ -104,6 +107,22 @@ def test_unbatched_loader_is_a_clear_error(results):
     _assert_stopped(results["unbatched"], "ValueError", "batch_size=None", "batch_size=1")
 
 
+def test_a_4d_mask_from_the_collate_fn_is_refused_before_compute(results):
+    _assert_stopped(results["mask_4d"], "ValueError", "`attention_mask` is 4-D", "position_ids` that restart at 0")
+
+
+def test_deepspeed_tutorial_loss_code_trains_wrong_with_a_right_looking_loss(results):
+    """The README's warning, pinned: the value is the model's loss, the gradients are not the single-device ones."""
+    pasted, plain = results["tutorial_loss"], results["baseline"]
+    _assert_trained(pasted)
+    first = [torch.tensor(bits, dtype=torch.int32).view(torch.float32).item() for bits in
+             (pasted[0]["loss_bits"][0], plain[0]["loss_bits"][0])]
+    assert abs(first[0] - first[1]) <= 1e-6 * abs(first[1])  # the first loss looks right
+    worst = max(((pasted[0]["weights"][k] - v).norm() / v.norm()).item() for k, v in plain[0]["weights"].items())
+    print(f"[measured] DeepSpeed tutorial loss code: weights off by {worst:.2e} (relative) after 4 steps")
+    assert worst > 1e-4, worst  # but it trained other weights
+
+
 def test_sp_with_no_attention_to_switch_is_an_error_before_compute(results):
     _assert_stopped(results["no_attention"], "ValueError", "found no Hugging Face PreTrainedModel and no attention"
                     " core", "attention_modules=[...]", "sp_size=1")
@@ -118,7 +137,8 @@ def test_hook_that_rebuilds_the_batch_keeps_exact_accumulation(results):
         assert torch.equal(rebuilt[0]["weights"][name], value), name
 
 
-@pytest.mark.parametrize("name, steps", [("accumulate2", 4), ("accumulate2_zero3", 4), ("accumulate4_zero3", 2)])
+@pytest.mark.parametrize("name, steps", [("accumulate2", 4), ("accumulate4", 2), ("accumulate2_zero3", 4),
+                                         ("accumulate4_zero3", 2)])
 def test_loss_value_is_bitwise_the_same_on_every_rank(results, name, steps):
     ranks = results[name]
     _assert_trained(ranks, steps)
