@@ -171,24 +171,54 @@ def keeps_documents_apart(impl: str, sdpa_per_document: bool) -> bool:
 _block_masks: dict[Any, Any] = {}
 
 
-def _flex_block_mask(seq_len: int, device: torch.device, cu_seqlens: Optional[torch.Tensor]) -> Any:
-    """Causal mask over ``seq_len`` positions; with ``cu_seqlens``, also block attention across documents."""
+def _flex_block_mask(seq_len: int, device: torch.device, cu_seqlens: Optional[torch.Tensor],
+                     window: Optional[int] = None) -> Any:
+    """Causal mask over ``seq_len`` positions; with ``cu_seqlens``, also block attention across documents; with
+    ``window``, only the last ``window`` positions (the query's own included), as transformers' masks do."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = (seq_len, str(device), None if cu_seqlens is None else tuple(cu_seqlens.tolist()))
+    key = (seq_len, str(device), None if cu_seqlens is None else tuple(cu_seqlens.tolist()), window)
     if key not in _block_masks:
-        _block_masks.clear()  # keep one: shapes change between batches
+        if len(_block_masks) > 4:
+            _block_masks.clear()  # shapes change between batches; window and full layers alternate
         if cu_seqlens is None:
-            mask_mod = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+            document = torch.zeros(seq_len, dtype=torch.long, device=device)
         else:
             positions = torch.arange(seq_len, device=device)
             document = torch.searchsorted(cu_seqlens.to(device)[1:], positions, right=True)  # [L]
+        span = window if window is not None else seq_len + 1
 
-            def mask_mod(b, h, q_idx, kv_idx):
-                return (q_idx >= kv_idx) & (document[q_idx] == document[kv_idx])
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (kv_idx > q_idx - span) & (document[q_idx] == document[kv_idx])
 
         _block_masks[key] = create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
     return _block_masks[key]
+
+
+def sliding_window_of(kwargs: dict[str, Any]) -> Optional[int]:
+    """The layer's sliding window (``sliding_window`` keyword of transformers' attention call), ``None`` if none."""
+    window = kwargs.get("sliding_window")
+    return int(window) if window else None
+
+
+def _sdpa_causal(inner: Callable, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 window: Optional[int], kwargs: dict[str, Any]) -> torch.Tensor:
+    """Causal SDPA over one sequence, ``q/k/v [B, h, L, D] -> [B, L, hq, D]``; with a ``window`` shorter than ``L``
+    an exact banded computation: query blocks of ``window`` positions, each against the ``2·window - 1`` keys it can
+    see, with the window mask (key > query - window). Memory grows with ``L × window``, not ``L²``."""
+    L = q.shape[2]
+    if window is None or window >= L:
+        return inner(module, q, k, v, None, **kwargs)[0]
+    pieces = []
+    for start in range(0, L, window):
+        end = min(start + window, L)
+        first_key = max(0, start - window + 1)
+        query_pos = torch.arange(start, end, device=q.device)[:, None]  # [lq, 1]
+        key_pos = torch.arange(first_key, end, device=q.device)[None, :]  # [1, lk]
+        mask = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [lq, lk], True = attend
+        pieces.append(inner(module, q[:, :, start:end], k[:, :, first_key:end], v[:, :, first_key:end],
+                            mask[None, None], **kwargs)[0])  # [B, lq, hq, D]
+    return torch.cat(pieces, dim=1)
 
 
 def _flatten_rows(x: torch.Tensor) -> torch.Tensor:
@@ -198,8 +228,10 @@ def _flatten_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _attend_documents(inner_name: str, inner: Callable, module: Any, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, shard: ShardInfo, kwargs: dict[str, Any]) -> torch.Tensor:
-    """Causal attention inside each packed document only. ``q/k/v [B, h, S, D]`` -> ``[B, S, hq, D]``."""
+                      v: torch.Tensor, shard: ShardInfo, kwargs: dict[str, Any],
+                      window: Optional[int] = None) -> torch.Tensor:
+    """Causal attention inside each packed document only (and inside the layer's sliding ``window``).
+    ``q/k/v [B, h, S, D]`` -> ``[B, S, hq, D]``."""
     B, hq, S, D = q.shape
     cu_seqlens = shard.cu_seqlens.to(device=q.device, dtype=torch.int32)  # offsets in the flattened [B*S]
     if inner_name.startswith("flash_attention"):
@@ -210,11 +242,11 @@ def _attend_documents(inner_name: str, inner: Callable, module: Any, q: torch.Te
         return out.reshape(B, S, hq, -1)
     qf, kf, vf = _flatten_rows(q), _flatten_rows(k), _flatten_rows(v)  # [1, h, B*S, D]
     if inner_name == "flex_attention":
-        mask = _flex_block_mask(B * S, q.device, cu_seqlens)
+        mask = _flex_block_mask(B * S, q.device, cu_seqlens, window)
         out, _ = inner(module, qf, kf, vf, mask, **kwargs)  # [1, B*S, hq, D]
     else:  # sdpa: one exact causal call per document, no [S, S] mask
         bounds = cu_seqlens.tolist()
-        pieces = [inner(module, qf[:, :, a:b], kf[:, :, a:b], vf[:, :, a:b], None, **kwargs)[0]
+        pieces = [_sdpa_causal(inner, module, qf[:, :, a:b], kf[:, :, a:b], vf[:, :, a:b], window, kwargs)
                   for a, b in zip(bounds[:-1], bounds[1:])]  # each [1, L_doc, hq, D]
         out = torch.cat(pieces, dim=1)  # [1, B*S, hq, D]
     return out.reshape(B, S, hq, -1)
@@ -237,25 +269,57 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
             )
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+        for name in _LOCAL_POSITION_KWARGS:
+            kwargs.pop(name, None)
+        _refuse_unshardable_inputs(module, attention_mask, kwargs)
         group = context.sp_group
         q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
         inner = ALL_ATTENTION_FUNCTIONS[inner_name]
         view = _LocalHeadsView(module, q.shape[1] // k.shape[1])
-        for name in _LOCAL_POSITION_KWARGS:
-            kwargs.pop(name, None)
+        # flash applies the window itself (its `sliding_window` keyword); sdpa and flex get it here.
+        window = sliding_window_of(kwargs)
+        if not inner_name.startswith("flash_attention"):
+            kwargs.pop("sliding_window", None)
         shard = context.shard
         if shard is not None and shard.packed:
             if not keeps_documents_apart(inner_name, context.sdpa_per_document):
                 raise ValueError(packed_documents_error(inner_name))
-            out = _attend_documents(inner_name, inner, view, q, k, v, shard, kwargs)  # [B, S, hq, D]
+            out = _attend_documents(inner_name, inner, view, q, k, v, shard, kwargs, window)  # [B, S, hq, D]
+        elif inner_name == "flex_attention":  # the causal (and window) structure of the full sequence
+            out, _ = inner(view, q, k, v, _flex_block_mask(q.shape[2], q.device, None, window), **kwargs)
+        elif inner_name == "sdpa":
+            out = _sdpa_causal(inner, view, q, k, v, window, kwargs)  # [B, S, hq, D]
         else:
-            # The causal structure of the *full* sequence: sdpa/flash use is_causal; flex needs a block mask.
-            full_mask = _flex_block_mask(q.shape[2], q.device, None) if inner_name == "flex_attention" else None
-            out, _ = inner(view, q, k, v, full_mask, **kwargs)  # [B, S, hq, D]
+            out, _ = inner(view, q, k, v, None, **kwargs)  # [B, S, hq, D]
         return head_to_sequence_shards(out, group, query.shape[1]), None  # [B, s, Hq, D]
 
     ulysses_attention_forward.__name__ = f"ulysses_{inner_name}_forward"
     return ulysses_attention_forward
+
+
+# Tensors some models hand their attention besides q, k, v (additive position biases, attention sinks): the exchange
+# does not shard them (the batch's own keys, e.g. shift_labels, also travel in these kwargs and are ignored).
+_UNSHARDED_ATTENTION_TENSORS = ("position_bias", "s_aux", "sinks", "alibi", "attn_bias", "attention_bias")
+
+
+def _refuse_unshardable_inputs(module: nn.Module, attention_mask: Any, kwargs: dict[str, Any]) -> None:
+    """The exchange shards q, k and v only: refuse anything else the model hands its attention that would need
+    sharding too, instead of silently using it on the wrong positions or heads."""
+    name = type(module).__name__
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.requires_grad:
+        raise ValueError(
+            f"{name} passes its attention a mask that carries learned values (attention_mask requires grad, e.g. a"
+            " learned per-key bias): UlyssesDeepSpeedStrategy's attention runs causal attention over the full"
+            " sequence and cannot shard such a mask, so those parameters would get no gradient. This architecture"
+            " cannot train under sequence parallelism; use sp_size=1."
+        )
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and key in _UNSHARDED_ATTENTION_TENSORS:
+            raise ValueError(
+                f"{name} passes its attention a tensor `{key}` {list(value.shape)} that UlyssesDeepSpeedStrategy's"
+                " exchange does not shard (it shards query, key and value over the sequence and the heads). This"
+                " architecture cannot train under sequence parallelism; use sp_size=1."
+            )
 
 
 def packed_documents_error(impl: str) -> str:

@@ -1,0 +1,122 @@
+"""Tiny configurations of many Hugging Face causal-LM architectures, with what the strategy must do with each.
+
+Every entry: hidden 64, 2 layers, 4 heads (2 KV heads where the model has them), vocabulary 128, no dropout, built
+with ``attn_implementation="sdpa"`` unless it says otherwise. Sliding windows are 8 tokens, shorter than the
+32-token test sequences, and models that mix window and full layers get one of each. ``expect`` is ``"exact"``
+(SP=2 matches a plain process) or the phrase the refusal must contain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VOCAB, SEQ_LEN, WINDOW = 128, 32, 8
+BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            vocab_size=VOCAB, max_position_embeddings=256, head_dim=16, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, tie_word_embeddings=False)
+MIXED = ["sliding_attention", "full_attention"]
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    # plain full attention
+    "llama": {"type": "llama"},
+    "qwen3": {"type": "qwen3"},
+    "gemma": {"type": "gemma"},
+    "phi": {"type": "phi"},
+    "phi3": {"type": "phi3"},
+    "gpt2": {"type": "gpt2"},
+    "gpt_neox": {"type": "gpt_neox"},
+    "gpt_bigcode": {"type": "gpt_bigcode", "config": {"multi_query": True}},
+    "olmo2": {"type": "olmo2"},
+    "cohere": {"type": "cohere"},
+    "granite": {"type": "granite"},
+    "glm": {"type": "glm"},
+    "stablelm": {"type": "stablelm"},
+    "persimmon": {"type": "persimmon"},
+    "nemotron": {"type": "nemotron"},
+    "opt": {"type": "opt", "config": {"ffn_dim": 128, "word_embed_proj_dim": 64}},
+    "smollm3": {"type": "smollm3"},  # NoPE layers
+    "ernie4_5": {"type": "ernie4_5"},
+    "helium": {"type": "helium"},
+    "biogpt": {"type": "biogpt"},
+    "deepseek_v3": {"type": "deepseek_v3", "config": dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                          qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                                                          num_experts_per_tok=2, moe_intermediate_size=32,
+                                                          first_k_dense_replace=1, n_group=1, topk_group=1,
+                                                          head_dim=8)},
+    # mixture of experts without the auxiliary loss
+    "qwen3_moe": {"type": "qwen3_moe", "config": MOE},
+    "mixtral": {"type": "mixtral", "config": {"num_local_experts": 4, "num_experts_per_tok": 2}},
+    "olmoe": {"type": "olmoe", "config": {"num_experts": 4, "num_experts_per_tok": 2}},
+    # sliding windows shorter than the sequence
+    "mistral_window": {"type": "mistral", "config": {"sliding_window": WINDOW}},
+    "qwen2_window": {"type": "qwen2", "config": {"use_sliding_window": True, "sliding_window": WINDOW,
+                                                 "max_window_layers": 1}},
+    "starcoder2_window": {"type": "starcoder2", "config": {"sliding_window": WINDOW}},
+    "gemma3_window": {"type": "gemma3_text", "config": {"sliding_window": WINDOW, "layer_types": MIXED}},
+    "cohere2_window": {"type": "cohere2", "config": {"sliding_window": WINDOW, "layer_types": MIXED}},
+    "exaone4_window": {"type": "exaone4", "config": {"sliding_window": WINDOW, "layer_types": MIXED}},
+    "ministral_window": {"type": "ministral", "config": {"sliding_window": WINDOW, "layer_types": MIXED}},
+    "olmo3_window": {"type": "olmo3", "config": {"sliding_window": WINDOW, "layer_types": MIXED}},
+    # refused before compute
+    "qwen3_next": {"type": "qwen3_next", "config": {**MOE, "layer_types": ["linear_attention", "full_attention"],
+                                                    "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                                    "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+                   "expect": "linear_attention"},
+    "lfm2": {"type": "lfm2", "config": {"layer_types": ["conv", "full_attention"]}, "expect": "conv"},
+    "minimax": {"type": "minimax", "config": {"layer_types": ["linear_attention", "full_attention"],
+                                              "num_local_experts": 4, "num_experts_per_tok": 2},
+                "expect": "linear_attention"},
+    "qwen3_moe_aux_loss": {"type": "qwen3_moe", "config": {**MOE, "output_router_logits": True},
+                           "expect": "output_router_logits"},
+    "doge": {"type": "doge", "expect": "attention_mask"},
+    "gemma2_eager": {"type": "gemma2", "attn": "eager", "expect": "flash_attention_2"},
+    "gptj_eager": {"type": "gptj", "attn": "eager", "expect": "flash_attention_2"},
+    "falcon": {"type": "falcon", "config": {"head_dim": None}, "expect": "falcon"},
+}
+
+
+def build_config(name: str):
+    from transformers import AutoConfig
+
+    entry = ARCHITECTURES[name]
+    overrides = {**BASE, **entry.get("config", {})}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    config = AutoConfig.for_model(entry["type"], **overrides)
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    config.use_cache = False
+    return config
+
+
+def build_model(name: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(build_config(name), attn_implementation=ARCHITECTURES[name].get("attn",
+                                                                                                          "sdpa"))
+
+
+def batches(steps: int, seed: int = 5) -> list[dict[str, torch.Tensor]]:
+    """``steps`` full batches [1, SEQ_LEN] (labels = input_ids)."""
+    rows = torch.randint(3, VOCAB, (steps, 1, SEQ_LEN), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": r, "labels": r.clone()} for r in rows]
+
+
+def train_plain(name: str, steps: int, lr: float) -> dict[str, Any]:
+    """The reference: one process, plain transformers, SGD on the same batches."""
+    model = build_model(name)
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for batch in batches(steps):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "initial": initial,
+            "final": {k: v.detach().clone() for k, v in model.named_parameters()}}

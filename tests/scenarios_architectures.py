@@ -1,0 +1,61 @@
+"""The architecture matrix, run by ``tests/test_architectures.py`` as
+``launch(2, "tests.scenarios_architectures:run", {"names": [...]})``: every architecture of
+``tests/architectures.py`` trained with SP=2 (ZeRO 2, SGD) for a few steps in the same two processes, or stopped
+with an error. Rank 0 reports losses and final weights; every rank reports its error.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader
+
+from lightning_ulysses import UlyssesDeepSpeedStrategy
+from tests.architectures import batches, build_model
+from tests.scenarios import LAUNCH_WORLD_SIZE, make_trainer
+
+
+class ArchitectureLM(LightningModule):
+    def __init__(self, name: str, lr: float, steps: int) -> None:
+        super().__init__()
+        self.model = build_model(name)
+        self.lr, self.steps = lr, steps
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        rows = [{k: v[0] for k, v in b.items()} for b in batches(self.steps)]
+        return DataLoader(rows, batch_size=1)  # in order; every rank of the SP group reads the same rows
+
+
+def _fit(name: str, steps: int, lr: float) -> dict[str, Any]:
+    result: dict[str, Any] = {"error": None}
+    try:
+        module = ArchitectureLM(name, lr, steps)
+        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=2), steps, use_distributed_sampler=False)
+        trainer.fit(module)
+    except Exception as err:  # noqa: BLE001 - the test asserts on the message
+        result["error"] = f"{type(err).__name__}: {err}"
+        return result
+    result["losses"] = module.losses
+    if torch.distributed.get_rank() == 0:
+        result["final"] = {k: v.detach().float().clone() for k, v in module.model.named_parameters()}
+    return result
+
+
+def run(payload: dict) -> dict:
+    results = {}
+    for name in payload["names"]:
+        os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)  # Lightning's teardown removes it after every fit
+        results[name] = _fit(name, payload["steps"], payload["lr"])
+    return results
