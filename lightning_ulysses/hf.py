@@ -60,12 +60,17 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str) -> None:
     if impl is not None and impl.startswith(_PREFIX):
         impl = impl[len(_PREFIX) :]
     if impl not in SUPPORTED_ATTENTION:
+        usable = supported_implementations(model)
         raise ValueError(
-            f"{name} uses attn_implementation={impl!r}, which UlyssesDeepSpeedStrategy cannot shard."
-            f" Build the model with one of {list(SUPPORTED_ATTENTION)}, e.g."
-            " `AutoModelForCausalLM.from_config(config, attn_implementation='sdpa')` or"
-            " `model.set_attn_implementation('sdpa')`."
+            f"{name} uses attn_implementation={impl!r}, which UlyssesDeepSpeedStrategy cannot shard. Under sequence"
+            f" parallelism it runs {list(SUPPORTED_ATTENTION)} ('flash_attention_2/3' and 'flex_attention' on CUDA);"
+            + (f" {name} supports {usable}: build it with one of them, e.g."
+               f" `AutoModelForCausalLM.from_config(config, attn_implementation={usable[0]!r})`"
+               f" or `model.set_attn_implementation({usable[0]!r})`."
+               if usable else f" {name} supports none of them, so it cannot train under sequence parallelism.")
+            + (" On CPU only 'sdpa' runs, which this model does not support." if "sdpa" not in usable else "")
         )
+    refuse_unsupported_architecture(model)
     if impl == "flex_attention" and device_type == "cpu":
         raise ValueError(
             f"{name} uses attn_implementation='flex_attention', which has no backward pass on CPU in this PyTorch."
@@ -88,6 +93,118 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str) -> None:
             )
 
 
+def supported_implementations(model: nn.Module) -> list[str]:
+    """Which of the implementations Ulysses attention wraps the model's class supports (transformers' flags)."""
+    cls = type(model)
+    flags = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+             "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}
+    return [impl for impl, flag in flags.items() if getattr(cls, flag, False)]
+
+
+_ATTENTION_LAYER_KINDS = {"full_attention", "sliding_attention"}
+# Sequence mixers other than attention (recurrences, state-space models, convolutions over the sequence).
+_NON_ATTENTION_MIXERS = ("mamba", "gateddeltanet", "deltanet", "linearattention", "lightningattention", "shortconv",
+                         "rwkv", "recurrent", "ssm", "rglru")
+
+
+def refuse_unsupported_architecture(model: nn.Module) -> None:
+    """Raise a ``ValueError`` (before compute) for architectures whose training under SP would be silently wrong:
+
+    * layers that mix the sequence without attention (linear attention, gated delta nets, Mamba/SSM, convolutions
+      over the sequence): under SP they would see only the rank's shard;
+    * attention modules that call SDPA themselves instead of transformers' attention interface (their attention
+      would skip the exchange);
+    * the MoE router's auxiliary load-balancing loss (``output_router_logits=True``), which transformers computes
+      from this rank's tokens only.
+    """
+    name = f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r})"
+    kinds: set[str] = set()
+    for config in _configs(model):
+        for key in ("layer_types", "layers_block_type"):
+            kinds.update(str(kind) for kind in (getattr(config, key, None) or []))
+    other_kinds = sorted(kinds - _ATTENTION_LAYER_KINDS)
+    mixers = sorted({f"{module_name} ({type(module).__name__})" for module_name, module in model.named_modules()
+                     if _is_non_attention_mixer(module)})
+    if other_kinds or mixers:
+        raise ValueError(
+            f"{name} mixes the sequence outside attention"
+            + (f" (layer kinds {other_kinds})" if other_kinds else "")
+            + (f" in {mixers[:4]}{' ...' if len(mixers) > 4 else ''}" if mixers else "")
+            + ". Under sequence parallelism those layers would see only this rank's shard of the sequence (a"
+            " recurrence restarting at every shard, a convolution missing the previous shard's tokens) and train a"
+            " different model without an error. UlyssesDeepSpeedStrategy shards attention only: train this"
+            " architecture with sp_size=1."
+        )
+    bypassing = [module for module in model.modules() if _bypasses_attention_interface(module)]
+    if bypassing:
+        classes = sorted({type(module).__name__ for module in bypassing})
+        impl = attention_implementation(model)
+        if impl != "sdpa" or not all(_calls_sdpa_directly(module) for module in bypassing):
+            raise ValueError(
+                f"{name}: {classes} compute attention themselves instead of through transformers' attention"
+                " interface; the strategy can put the Ulysses exchange around them only when they call torch's"
+                f" scaled_dot_product_attention, i.e. with attn_implementation='sdpa' (this model: {impl!r})."
+                " Build it with attn_implementation='sdpa', or train with sp_size=1."
+            )
+        if getattr(model.config, "alibi", False):
+            raise ValueError(
+                f"{name} uses ALiBi position biases (config.alibi=True), which it adds to the attention scores of"
+                " each rank's shard outside any exchange. This architecture cannot train under sequence parallelism"
+                " with ALiBi; use sp_size=1."
+            )
+    known = _KNOWN_UNSHARDABLE.get(getattr(model.config, "model_type", None))
+    if known:
+        raise ValueError(f"{name} {known}: UlyssesDeepSpeedStrategy's attention cannot shard that, so it cannot"
+                         " train under sequence parallelism; use sp_size=1.")
+    for config in _configs(model):
+        if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 1.0):
+            raise ValueError(
+                f"{name} has output_router_logits=True: transformers computes the MoE load-balancing loss from the"
+                " router statistics of this rank's tokens only, so under sequence parallelism its value and"
+                " gradients differ from the whole batch's (and between ranks). Set `output_router_logits=False`"
+                " (or `router_aux_loss_coef=0`) for training under SP."
+            )
+
+
+def _is_non_attention_mixer(module: nn.Module) -> bool:
+    if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
+        return True
+    lowered = type(module).__name__.lower()
+    return any(pattern in lowered for pattern in _NON_ATTENTION_MIXERS)
+
+
+# Architectures whose attention takes inputs the exchange cannot shard, known before any compute (the attention
+# function also refuses a mask that requires grad at the first forward, for models not listed here).
+_KNOWN_UNSHARDABLE = {"doge": "passes a learned per-key bias (its dynamic mask) to attention through attention_mask"}
+
+
+def _forward_source(module: nn.Module) -> Optional[str]:
+    import inspect
+
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+
+
+def _bypasses_attention_interface(module: nn.Module) -> bool:
+    """An attention module (class name ending in ``Attention``/``Attention2``) whose forward never dispatches
+    through transformers' attention interface."""
+    import re
+
+    if not re.search(r"Attention\d*$", type(module).__name__):
+        return False
+    source = _forward_source(module)
+    if source is None:
+        return False
+    return not ("ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source)
+
+
+def _calls_sdpa_directly(module: nn.Module) -> bool:
+    source = _forward_source(module) or ""
+    return _bypasses_attention_interface(module) and "scaled_dot_product_attention(" in source
+
+
 @dataclass
 class _SavedModelState:
     attn_implementation: Any
@@ -95,6 +212,7 @@ class _SavedModelState:
     had_loss_function: bool
     loss_function: Any
     marked_modules: list[nn.Module] = field(default_factory=list)
+    direct_sdpa_modules: list[nn.Module] = field(default_factory=list)
 
 
 _SAVED = "_ulysses_saved_state"
@@ -113,7 +231,14 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
             loss_function=model.__dict__.get("_loss_function"),
         )
         impl = config._attn_implementation
-        if not impl.startswith(_PREFIX):
+        direct = [m for m in model.modules() if _calls_sdpa_directly(m)]
+        if direct:
+            # These call torch's SDPA themselves when the implementation is exactly "sdpa": keep the name and put
+            # the exchange around the SDPA calls of their forward instead.
+            for module in direct:
+                module.__dict__["forward"] = _with_ulysses_sdpa(module, context)
+            saved.direct_sdpa_modules = direct
+        elif not impl.startswith(_PREFIX):
             config._attn_implementation = _PREFIX + impl  # also sets the sub-configs
         if saved.use_cache is not None:
             config.use_cache = False  # a KV cache of one shard is useless and would size masks wrongly
@@ -135,6 +260,8 @@ def restore_model(model: nn.Module) -> None:
         model.config.use_cache = saved.use_cache
     for module in saved.marked_modules:
         module.__dict__.pop(_CONTEXT_ATTR, None)
+    for module in saved.direct_sdpa_modules:
+        module.__dict__.pop("forward", None)
     if saved.had_loss_function:
         model.__dict__["_loss_function"] = saved.loss_function
     else:
@@ -155,6 +282,53 @@ class _LocalHeadsView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
+
+
+def _with_ulysses_sdpa(module: nn.Module, context: StepContext) -> Callable[..., Any]:
+    """``module.forward`` with every ``torch.nn.functional.scaled_dot_product_attention`` call it makes (shards in,
+    ``[B, H, s, D]``) turned into a Ulysses exchange around causal SDPA over the full sequence."""
+    import torch.nn.functional as F
+
+    original_forward = type(module).forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        original_sdpa = F.scaled_dot_product_attention
+
+        def ulysses_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False):
+            name = type(module).__name__
+            if attn_mask is not None and not _is_local_causal_mask(attn_mask, query.shape[2]):
+                raise ValueError(f"{name} passes SDPA an attention mask that is more than causal; under sequence"
+                                 " parallelism only causal attention (right padding, no mask) is supported for"
+                                 " this architecture.")
+            if context.shard is not None and context.shard.packed:
+                raise ValueError(f"{name} computes attention itself: packed documents are not supported for this"
+                                 " architecture under sequence parallelism (one document per row).")
+            q, k, v = sequence_to_head_shards(query.contiguous(), key.contiguous(), value.contiguous(),
+                                              context.sp_group)  # [B, hq, S, D], [B, hkv, S, D] x2
+            causal = bool(getattr(module, "is_causal", True)) or is_causal
+            out = original_sdpa(q, k, v, dropout_p=dropout_p, is_causal=causal and q.shape[2] > 1, scale=scale,
+                                enable_gqa=q.shape[1] != k.shape[1])  # [B, hq, S, D]
+            shards = head_to_sequence_shards(out.transpose(1, 2), context.sp_group, query.shape[1])  # [B, s, Hq, D]
+            return shards.transpose(1, 2)  # [B, Hq, s, D], as SDPA returns
+
+        F.scaled_dot_product_attention = ulysses_sdpa
+        try:
+            return original_forward(module, *args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention = original_sdpa
+
+    return forward
+
+
+def _is_local_causal_mask(mask: torch.Tensor, length: int) -> bool:
+    """Whether ``mask`` (bool: True = attend, or additive float) is plain causal over the ``length`` positions of
+    the shard: what a model materialises when the batch has no padding mask (the strategy drops it)."""
+    if mask.requires_grad or mask.shape[-2:] != (length, length):
+        return False
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    return bool((allowed == causal).all())
 
 
 def attention_implementation(model: nn.Module) -> str:

@@ -46,6 +46,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                                                           num_experts_per_tok=2, moe_intermediate_size=32,
                                                           first_k_dense_replace=1, n_group=1, topk_group=1,
                                                           head_dim=8)},
+    # attention that calls torch's SDPA itself (the exchange goes around those calls)
+    "falcon": {"type": "falcon", "config": {"head_dim": None}},  # multi-query: 1 KV head
+    "falcon_new_arch": {"type": "falcon", "config": {"head_dim": None, "new_decoder_architecture": True,
+                                                     "num_kv_heads": 2}},
     # mixture of experts without the auxiliary loss
     "qwen3_moe": {"type": "qwen3_moe", "config": MOE},
     "mixtral": {"type": "mixtral", "config": {"num_local_experts": 4, "num_experts_per_tok": 2}},
@@ -72,9 +76,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3_moe_aux_loss": {"type": "qwen3_moe", "config": {**MOE, "output_router_logits": True},
                            "expect": "output_router_logits"},
     "doge": {"type": "doge", "expect": "attention_mask"},
-    "gemma2_eager": {"type": "gemma2", "attn": "eager", "expect": "flash_attention_2"},
-    "gptj_eager": {"type": "gptj", "attn": "eager", "expect": "flash_attention_2"},
-    "falcon": {"type": "falcon", "config": {"head_dim": None}, "expect": "falcon"},
+    "gemma2_eager": {"type": "gemma2", "attn": "eager",
+                     "expect": "supports ['flash_attention_2', 'flash_attention_3', 'flex_attention']"},
+    "gptj_eager": {"type": "gptj", "attn": "eager", "expect": "supports ['flash_attention_2', 'flash_attention_3']"},
+    "falcon_alibi": {"type": "falcon", "config": {"head_dim": None, "alibi": True}, "expect": "ALiBi"},
 }
 
 
