@@ -15,13 +15,16 @@ from lightning_ulysses.checkpoint import checkpoint_status, export_checkpoint, f
 from lightning_ulysses.data import SequenceShardingCollate, shard_batch
 from lightning_ulysses.layout import SequenceParallelLayout
 from lightning_ulysses.loss import sequence_parallel_cross_entropy
-from lightning_ulysses.metrics import TokenWeightedLoss, TokenWeightedPerplexity
+from lightning_ulysses.metrics import PositionalLoss, TokenWeightedLoss, TokenWeightedPerplexity
+from lightning_ulysses.retrieval import PasskeyRetrieval, passkey_sample, run_passkey_grid
 from lightning_ulysses.outputs import gather_sequence
 from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
 
 UlyssesDeepSpeedStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "PasskeyRetrieval",
+    "PositionalLoss",
     "SPPeerMismatchError",
     "SequenceParallelLayout",
     "SequenceParallelThroughputMonitor",
@@ -35,6 +38,8 @@ __all__ = [
     "export_checkpoint",
     "find_last_complete_checkpoint",
     "gather_sequence",
+    "passkey_sample",
+    "run_passkey_grid",
     "sequence_parallel_cross_entropy",
     "shard_batch",
     "ulysses_attention",

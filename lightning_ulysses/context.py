@@ -67,6 +67,9 @@ class StepContext:
         accumulation: gradient-accumulation steps DeepSpeed divides the loss by.
         sdpa_per_document: with ``sdpa``, attend within each packed document by one SDPA call per document.
         shard: the current batch's :class:`ShardInfo`.
+        token_stats: per-token ``(loss, argmax_correct)`` of this rank's shard, ``[B, s]`` each (loss 0 and correct
+            False where there is no target), recorded by the loss of the last forward pass run without gradients
+            (evaluation); ``None`` otherwise.
         tile_shard_len: the step's longest shard over all ranks, set when tile counts follow the shard length
             (``tiled_mlp``/``tiled_loss="auto"``) under ZeRO-3 with several replicas: every rank then runs the same
             number of tiles, so ZeRO-3 issues the same parameter gathers everywhere. ``None``: the local length.
@@ -79,3 +82,4 @@ class StepContext:
     sdpa_per_document: bool = False
     shard: Optional[ShardInfo] = None
     tile_shard_len: Optional[int] = None
+    token_stats: Optional[tuple[torch.Tensor, torch.Tensor]] = None

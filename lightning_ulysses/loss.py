@@ -77,6 +77,17 @@ def cross_entropy_sum(logits: torch.Tensor, shift_labels: torch.Tensor,
                            ignore_index=ignore_index, reduction="sum")
 
 
+def token_statistics(logits: torch.Tensor, shift_labels: torch.Tensor,
+                     ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp32 cross-entropy ``[B, s]`` (0 where there is no target) and whether the argmax is the target
+    ``[B, s]`` (False where there is none), from ``[B, s, V]`` logits."""
+    labels = shift_labels.to(logits.device)
+    losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                             ignore_index=ignore_index, reduction="none").view(labels.shape)
+    correct = (logits.argmax(-1) == labels) & (labels != ignore_index)
+    return losses, correct
+
+
 def normalize_loss_sum(
     local_sum: torch.Tensor,
     shift_labels: torch.Tensor,
@@ -122,6 +133,10 @@ def step_cross_entropy(
 ) -> torch.Tensor:
     """:func:`sequence_parallel_cross_entropy` with the group, gradient scale and window of the current step."""
     scale, window = step_normalization(context)
+    if not torch.is_grad_enabled():  # evaluation: keep the per-token losses for position / retrieval metrics
+        context.token_stats = token_statistics(logits, shift_labels, ignore_index)
+        local_sum = context.token_stats[0].sum()
+        return normalize_loss_sum(local_sum, shift_labels, context.loss_group, scale, ignore_index, window)
     return sequence_parallel_cross_entropy(logits, shift_labels, context.loss_group, scale, ignore_index, window)
 
 

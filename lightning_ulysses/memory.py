@@ -26,7 +26,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ulysses.context import StepContext
-from lightning_ulysses.loss import IGNORE_INDEX, cross_entropy_sum, normalize_loss_sum, step_normalization
+from lightning_ulysses.loss import (
+    IGNORE_INDEX,
+    cross_entropy_sum,
+    normalize_loss_sum,
+    step_normalization,
+    token_statistics,
+)
 
 
 AUTO = "auto"
@@ -194,7 +200,11 @@ def _memory_forward(model: nn.Module, features: MemoryFeatures, context: Optiona
             lm_head = model.get_output_embeddings()
             chunk_tokens = LOSS_CHUNK_LOGITS // max(1, int(lm_head.weight.shape[0]))
             chunks = tile_count(features.tiled_loss, _agreed_shard_len(hidden.shape[1], context), chunk_tokens)
-            local_sum = tiled_cross_entropy_sum(hidden, lm_head, shift_labels, chunks)
+            if torch.is_grad_enabled() or context is None:
+                local_sum = tiled_cross_entropy_sum(hidden, lm_head, shift_labels, chunks)
+            else:  # evaluation: per-token losses chunk by chunk (no backward, so no checkpointing)
+                context.token_stats = tiled_token_statistics(hidden, lm_head, shift_labels, chunks)
+                local_sum = context.token_stats[0].sum()
             if context is None:
                 scale, window, group = 1.0, None, None
             else:
@@ -236,6 +246,14 @@ def tiled_cross_entropy_sum(hidden: torch.Tensor, lm_head: nn.Module, shift_labe
     for h, y in zip(torch.tensor_split(hidden, chunks, dim=1), torch.tensor_split(shift_labels, chunks, dim=1)):
         total = total + checkpoint(_chunk_loss_sum, h, y, lm_head, use_reentrant=False)
     return total
+
+
+def tiled_token_statistics(hidden: torch.Tensor, lm_head: nn.Module, shift_labels: torch.Tensor,
+                           chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~lightning_ulysses.loss.token_statistics` with one chunk's logits alive at a time (no gradients)."""
+    parts = [token_statistics(lm_head(h), y) for h, y in zip(torch.tensor_split(hidden, chunks, dim=1),
+                                                              torch.tensor_split(shift_labels, chunks, dim=1))]
+    return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)  # [B, s] each
 
 
 def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:

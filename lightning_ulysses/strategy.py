@@ -289,6 +289,55 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         """Facts about the full batch of the current step (length before padding, packed documents)."""
         return self._context.shard if self._context is not None else None
 
+    @property
+    def prepared_models(self) -> list[Module]:
+        """The Hugging Face models the strategy switched to Ulysses attention (during fit/validate/test/predict)."""
+        return list(self._prepared_models)
+
+    def token_losses(self) -> torch.Tensor:
+        """Per-token cross-entropy ``[B, s]`` of this rank's shard from the last forward pass of a prepared model
+        run without gradients (``validation_step``/``test_step``/``predict_step``), fp32, 0 where there is no
+        target. Works with ``tiled_loss`` (no full logits). Pair it with the batch's ``position_ids`` and
+        ``shift_labels`` (e.g. :class:`lightning_ulysses.PositionalLoss`)."""
+        return self._token_stats()[0]
+
+    def token_correct(self) -> torch.Tensor:
+        """``[B, s]`` bool: whether the argmax of each position's logits is its target (see :meth:`token_losses`)."""
+        return self._token_stats()[1]
+
+    def _token_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        stats = self._context.token_stats if self._context is not None else None
+        if stats is None:
+            raise RuntimeError(
+                "No per-token losses recorded for this step: they come from the loss of a prepared Hugging Face"
+                " model's forward pass with labels, run without gradients (validation/test/predict). Call"
+                " `self.model(**batch)` with the batch's labels first."
+            )
+        return stats
+
+    @torch.no_grad()
+    def evaluate_full_batch(self, model: Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run a prepared model on a FULL batch (``input_ids`` ``[B, S]``, ``labels``; the same on every rank of the
+        SP group) outside the Trainer's loops, e.g. from a callback: the batch is cut into this rank's shard, the
+        model runs sequence-parallel without gradients, and this rank's shard statistics come back:
+        ``{"loss": [B, s], "correct": [B, s], "shift_labels": [B, s], "position_ids": [B, s]}``. Every rank of the
+        world must call it the same number of times (the loss reduces over all ranks)."""
+        from lightning_ulysses.data import shard_batch
+
+        shard = shard_batch(batch, self.sp_size, self.sp_rank, self._pad_token_id())
+        info = shard.pop(SHARD_INFO_KEY)
+        context = self.step_context
+        previous = context.shard, context.tile_shard_len, context.token_stats
+        context.shard, context.tile_shard_len, context.token_stats = info, self._agreed_tile_shard_len(info), None
+        try:
+            shard = {k: v.to(self.root_device) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
+            model(**shard)
+            losses, correct = self._token_stats()
+        finally:
+            context.shard, context.tile_shard_len, context.token_stats = previous
+        return {"loss": losses, "correct": correct, "shift_labels": shard["shift_labels"],
+                "position_ids": shard["position_ids"]}
+
     def cross_entropy(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over the batch's target tokens from this rank's ``[B, s, V]`` logits and
         ``[B, s]`` ``shift_labels``, for a ``training_step`` that computes its own loss. Same value on every rank,
@@ -317,6 +366,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if self._context is not None:
             self._context.shard = shard
             self._context.tile_shard_len = self._agreed_tile_shard_len(shard)
+            self._context.token_stats = None
 
     def _agreed_tile_shard_len(self, shard: ShardInfo) -> Optional[int]:
         """With tile counts that follow the shard length under ZeRO-3 and several replicas, the step's longest shard
