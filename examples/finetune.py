@@ -22,7 +22,9 @@ What it does, in the order a fine-tuning job does it:
    partitioned as ``from_pretrained`` loads them, never whole on every rank. Gradient checkpointing on; with
    ``--lora`` PEFT LoRA adapters on the attention projections (the base weights frozen).
 4. **Training** with ``UlyssesDeepSpeedStrategy``: each sequence split over ``--sp-size`` ranks; validation loss and
-   perplexity over all held-out tokens every ``--val-every`` steps; ``ModelCheckpoint`` keeps the best.
+   perplexity over all held-out tokens every ``--val-every`` steps, the loss by position in the context
+   (``loss_by_position.png``) and passkey retrieval at the first and the final validation (``passkey.png``), all
+   computed sequence-parallel; ``ModelCheckpoint`` keeps the best.
 5. **After training**: ``trainer.validate(ckpt_path="best")``, then ``export_checkpoint`` turns the best ZeRO
    checkpoint into a plain ``save_pretrained`` directory (LoRA merged into the weights; the adapter alone next to
    it), which plain ``transformers`` loads in one process to print a short greedy continuation.
@@ -46,8 +48,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_ulysses import (TokenWeightedLoss, TokenWeightedPerplexity, UlyssesDeepSpeedStrategy,
-                               export_checkpoint)
+from lightning_ulysses import (PasskeyRetrieval, PositionalLoss, TokenWeightedLoss, TokenWeightedPerplexity,
+                               UlyssesDeepSpeedStrategy, export_checkpoint)
 
 OUT_DIR = Path(__file__).resolve().parent / "out" / "finetune"
 PROMPT = "def read_config(path):\n    "
@@ -175,6 +177,7 @@ class FineTune(LightningModule):
         self.model = None
         self.val_loss = TokenWeightedLoss()
         self.val_perplexity = TokenWeightedPerplexity()
+        self.loss_by_position = PositionalLoss(max_position=args.seq_len, num_buckets=12)  # log-spaced buckets
         self.datasets = None
 
     def configure_model(self) -> None:
@@ -203,6 +206,16 @@ class FineTune(LightningModule):
         self.val_perplexity.update(loss, batch["shift_labels"])
         self.log("val_loss", self.val_loss, prog_bar=True)
         self.log("val_ppl", self.val_perplexity)
+        strategy = self.trainer.strategy  # per-token losses of this rank's shard, kept from the forward pass above
+        self.loss_by_position.update(strategy.token_losses(), batch, strategy.token_correct())
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_dict(self.loss_by_position.as_dict("val_loss_at"))
+        zero = self.trainer.is_global_zero  # every rank calls save (it sums the buckets over all ranks)
+        self.loss_by_position.save(OUT_DIR / "loss_by_position.png" if zero else None,
+                                   OUT_DIR / "loss_by_position.csv" if zero else None,
+                                   title=f"validation loss by position (step {self.trainer.global_step})")
+        self.loss_by_position.reset()
 
     def configure_optimizers(self):
         trainable = [p for p in self.parameters() if p.requires_grad]
@@ -287,6 +300,13 @@ def main() -> None:
     args = parse_args()
     model_path = base_model_path(args)
     seed_everything(args.seed, verbose=False)
+    from transformers import AutoTokenizer
+
+    # Passkey retrieval at the first validation and at the final one (the best checkpoint): lengths up to --seq-len.
+    lengths = [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768) if n <= args.seq_len]
+    passkey = PasskeyRetrieval(AutoTokenizer.from_pretrained(model_path), lengths=lengths,
+                               depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=2, output_dir=str(OUT_DIR),
+                               every_n_validations=args.max_steps // args.val_every)
     checkpoints = ModelCheckpoint(dirpath=OUT_DIR / ("checkpoints-lora" if args.lora else "checkpoints"),
                                   monitor="val_loss", save_top_k=1, filename="{step}-{val_loss:.3f}")
     trainer = Trainer(
@@ -302,7 +322,7 @@ def main() -> None:
         logger=CSVLogger(OUT_DIR, name="logs"),
         log_every_n_steps=5,
         enable_model_summary=False,
-        callbacks=[checkpoints],
+        callbacks=[checkpoints, passkey],
     )
     module = FineTune(args, model_path)
     trainer.fit(module)
@@ -312,6 +332,12 @@ def main() -> None:
         print(f"[finetune] best checkpoint {best}: val_loss={metrics['val_loss']:.3f}"
               f" val_ppl={metrics['val_ppl']:.1f} (sp_size={trainer.strategy.sp_size},"
               f" world_size={trainer.world_size}, ZeRO {args.stage}{', LoRA' if args.lora else ''})", flush=True)
+        curve = ", ".join(f"{k.split('/')[-1]}: {float(v):.2f}" for k, v in metrics.items()
+                          if k.startswith("val_loss_at/"))
+        print(f"[finetune] validation loss by position {{{curve}}} -> {OUT_DIR / 'loss_by_position.png'}", flush=True)
+        grid = ", ".join(f"{r['length']}@{r['depth']:.2f}: {r['accuracy']:.1f}" for r in passkey.results)
+        print(f"[finetune] passkey retrieval accuracy (length@depth) {{{grid}}} -> {OUT_DIR / 'passkey.png'}",
+              flush=True)
         export_dir = OUT_DIR / ("export-lora" if args.lora else "export")
         exported = export_checkpoint(best, export_dir)
         print(f"[finetune] exported to {exported['hf']['model']} (plain save_pretrained directory)", flush=True)
