@@ -62,6 +62,8 @@ class StepContext:
 
     Attributes:
         sp_group: ranks that hold the shards of the same sequences.
+        ulysses_group: the ranks of the all-to-all around attention (the SP group unless ``ring_group`` is set).
+        ring_group: with hybrid Ulysses × ring SP, the ranks that exchange keys/values across ring groups.
         loss_group: ranks whose tokens make up one optimizer step's batch (every rank: DP × SP).
         grad_scale: factor on the local loss share that makes DeepSpeed's gradient reduction exact (see loss.py).
         accumulation: gradient-accumulation steps DeepSpeed divides the loss by.
@@ -83,3 +85,10 @@ class StepContext:
     shard: Optional[ShardInfo] = None
     tile_shard_len: Optional[int] = None
     token_stats: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    ulysses_group: Optional[dist.ProcessGroup] = None
+    ring_group: Optional[dist.ProcessGroup] = None
+
+    @property
+    def exchange_group(self) -> dist.ProcessGroup:
+        """The group of the Ulysses all-to-all."""
+        return self.ulysses_group if self.ulysses_group is not None else self.sp_group

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, default_collate
 from lightning_ulysses.agreement import batch_fingerprint
 from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo
 from lightning_ulysses.loss import IGNORE_INDEX
+from lightning_ulysses.ring import padded_length, shard_index
 
 # Keys the collate step reads or writes; every other [B, S, ...] tensor is padded with 0 and sliced.
 INPUT_IDS, LABELS, SHIFT_LABELS, POSITION_IDS, ATTENTION_MASK = (
@@ -36,11 +37,14 @@ def shard_batch(
     pad_token_id: int = 0,
     ignore_index: int = IGNORE_INDEX,
     fingerprint: bool = False,
+    ring_size: int = 1,
 ) -> dict[str, Any]:
     """Cut this SP rank's shard out of a full batch.
 
     The batch contract is checked first (:func:`check_batch_contract`); with ``fingerprint=True`` the full batch's
-    digest is recorded for the SP-peer agreement check.
+    digest is recorded for the SP-peer agreement check. With ``ring_size > 1`` (hybrid Ulysses × ring) ``S`` is
+    padded to a multiple of ``2 × sp_size`` and the shard follows the load-balanced zigzag layout of
+    :mod:`lightning_ulysses.ring` instead of step 5's contiguous slice.
 
     Steps, in order, on the full ``[B, S]`` batch:
 
@@ -93,15 +97,18 @@ def shard_batch(
         shift_labels[:, :-1][document_start[:, 1:]] = ignore_index  # a document never predicts the next one
         out[SHIFT_LABELS] = shift_labels
 
-    padded_len = -(-S // sp_size) * sp_size
+    ulysses_size = sp_size // ring_size
+    padded_len = padded_length(S, ring_size, ulysses_size)
     shard_len = padded_len // sp_size
     start = sp_rank * shard_len
+    index = (shard_index(padded_len, ring_size, ulysses_size, sp_rank // ulysses_size, sp_rank % ulysses_size)
+             if ring_size > 1 else None)  # [s] global positions of this rank's zigzag shard
     for key, value in out.items():
         if not (isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == (B, S)):
             continue
         if padded_len != S:
             value = _pad_sequence(value, key, padded_len, pad_token_id, ignore_index)
-        out[key] = value[:, start : start + shard_len].contiguous()
+        out[key] = value[:, start : start + shard_len].contiguous() if index is None else value[:, index]
     info = _shard_info(S, padded_len, document_start) if packed else ShardInfo(S)
     info.batch_size, info.fingerprint = B, digest
     out[SHARD_INFO_KEY] = info
@@ -206,21 +213,22 @@ class SequenceShardingCollate:
 
     def __init__(
         self, sp_size: int, sp_rank: int, collate_fn: Optional[Callable] = None, pad_token_id: int = 0,
-        fingerprint: bool = False,
+        fingerprint: bool = False, ring_size: int = 1,
     ) -> None:
         self.sp_size = sp_size
         self.sp_rank = sp_rank
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
         self.pad_token_id = pad_token_id
         self.fingerprint = fingerprint
+        self.ring_size = ring_size
 
     def __call__(self, samples: Any) -> dict[str, Any]:
         return shard_batch(self.collate_fn(samples), self.sp_size, self.sp_rank, self.pad_token_id,
-                           fingerprint=self.fingerprint)
+                           fingerprint=self.fingerprint, ring_size=self.ring_size)
 
 
 def install_sharding_collate(dataloader: DataLoader, sp_size: int, sp_rank: int, pad_token_id: int,
-                             fingerprint: bool = False) -> DataLoader:
+                             fingerprint: bool = False, ring_size: int = 1) -> DataLoader:
     """Make ``dataloader`` yield shards; a loader that already has the step gets it re-targeted, not stacked."""
     if not isinstance(dataloader, DataLoader):
         raise TypeError(
@@ -232,7 +240,8 @@ def install_sharding_collate(dataloader: DataLoader, sp_size: int, sp_rank: int,
         user_collate = user_collate.collate_fn
     if dataloader.batch_size is None and dataloader.batch_sampler is None:
         raise ValueError(automatic_batching_off_error())
-    dataloader.collate_fn = SequenceShardingCollate(sp_size, sp_rank, user_collate, pad_token_id, fingerprint)
+    dataloader.collate_fn = SequenceShardingCollate(sp_size, sp_rank, user_collate, pad_token_id, fingerprint,
+                                                    ring_size)
     return dataloader
 
 

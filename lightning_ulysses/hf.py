@@ -17,6 +17,7 @@ from torch import nn
 from lightning_ulysses.context import ShardInfo, StepContext
 from lightning_ulysses.exchange import head_to_sequence_shards, sequence_to_head_shards
 from lightning_ulysses.loss import SequenceParallelLossFunction
+from lightning_ulysses.ring import ring_attention
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 _PREFIX = "ulysses_"
@@ -53,8 +54,9 @@ def _configs(model: nn.Module) -> Iterator[Any]:
             yield sub
 
 
-def validate_model(model: nn.Module, sp_size: int, device_type: str) -> None:
-    """Raise a ``ValueError`` (before any compute) if ``model`` cannot run Ulysses attention at ``sp_size``."""
+def validate_model(model: nn.Module, sp_size: int, device_type: str, ring_size: int = 1) -> None:
+    """Raise a ``ValueError`` (before any compute) if ``model`` cannot run Ulysses attention at ``sp_size`` (the
+    Ulysses part of it: ``sp_size / ring_size`` ranks share the heads)."""
     name = type(model).__name__
     impl = model.config._attn_implementation
     if impl is not None and impl.startswith(_PREFIX):
@@ -71,6 +73,16 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str) -> None:
             + (" On CPU only 'sdpa' runs, which this model does not support." if "sdpa" not in usable else "")
         )
     refuse_unsupported_architecture(model)
+    if ring_size > 1:
+        if impl != "sdpa":
+            raise ValueError(
+                f"{name}: ring_size={ring_size} runs its ring attention with 'sdpa' only (this model:"
+                f" {impl!r}); build the model with attn_implementation='sdpa' or use ring_size=1."
+            )
+        if any(_calls_sdpa_directly(m) for m in model.modules()):
+            raise ValueError(f"{name} computes attention itself (direct SDPA calls): not supported with"
+                             f" ring_size={ring_size}; use ring_size=1.")
+    sp_size = sp_size // ring_size  # the heads are split over the Ulysses ranks only
     if impl == "flex_attention" and device_type == "cpu":
         raise ValueError(
             f"{name} uses attn_implementation='flex_attention', which has no backward pass on CPU in this PyTorch."
@@ -82,9 +94,11 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str) -> None:
             continue
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads < sp_size:
+            what = f"sp_size={sp_size}" if ring_size == 1 else f"the Ulysses part sp_size/ring_size={sp_size}"
             raise ValueError(
-                f"{name} has num_attention_heads={heads}, fewer than sp_size={sp_size}: some SP ranks would hold"
-                f" no head. Use sp_size <= {heads}."
+                f"{name} has num_attention_heads={heads}, fewer than {what}: some SP ranks would hold"
+                f" no head. Use sp_size <= {heads}, or split the sequence further with ring attention:"
+                f" `UlyssesDeepSpeedStrategy(sp_size=..., ring_size=r)` with sp_size / r <= {heads}."
             )
         if heads % kv_heads != 0:
             raise ValueError(
@@ -446,7 +460,7 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         for name in _LOCAL_POSITION_KWARGS:
             kwargs.pop(name, None)
         _refuse_unshardable_inputs(module, attention_mask, kwargs)
-        group = context.sp_group
+        group = context.exchange_group
         q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
         inner = ALL_ATTENTION_FUNCTIONS[inner_name]
         view = _LocalHeadsView(module, q.shape[1] // k.shape[1])
@@ -455,7 +469,11 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         if not inner_name.startswith("flash_attention"):
             kwargs.pop("sliding_window", None)
         shard = context.shard
-        if shard is not None and shard.packed:
+        if context.ring_group is not None:  # hybrid: q holds this ring rank's S/R tokens, attend over all S
+            if shard is not None and shard.packed:
+                raise ValueError(ring_packed_documents_error())
+            out = ring_attention(inner, view, q, k, v, context.ring_group, window, kwargs)  # [B, S/R, hq, D]
+        elif shard is not None and shard.packed:
             if not keeps_documents_apart(inner_name, context.sdpa_per_document):
                 raise ValueError(packed_documents_error(inner_name))
             out = _attend_documents(inner_name, inner, view, q, k, v, shard, kwargs, window)  # [B, S, hq, D]
@@ -494,6 +512,11 @@ def _refuse_unshardable_inputs(module: nn.Module, attention_mask: Any, kwargs: d
                 " exchange does not shard (it shards query, key and value over the sequence and the heads). This"
                 " architecture cannot train under sequence parallelism; use sp_size=1."
             )
+
+
+def ring_packed_documents_error() -> str:
+    return ("Packed documents (position_ids restarting inside a row) are not supported with ring_size > 1 yet: use"
+            " one document per row (right padding), or ring_size=1.")
 
 
 def packed_documents_error(impl: str) -> str:

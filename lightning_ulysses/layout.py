@@ -16,6 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DP_DIM = "dp"
 SP_DIM = "sp"
+RING_DIM = "ring"
+ULYSSES_DIM = "ulysses"
 
 
 def validate_sp_size(sp_size: int, world_size: int) -> None:
@@ -35,6 +37,17 @@ def validate_sp_size(sp_size: int, world_size: int) -> None:
             f" or change the number of devices to a multiple of {sp_size}."
         )
 
+
+def validate_ring_size(ring_size: int, sp_size: int) -> None:
+    """Raise a ``ValueError`` naming what to change if ``ring_size`` cannot split an SP group of ``sp_size``."""
+    if not isinstance(ring_size, int) or isinstance(ring_size, bool) or ring_size < 1:
+        raise ValueError(f"`ring_size` must be a positive integer, got {ring_size!r}.")
+    if sp_size % ring_size != 0:
+        divisors = [d for d in range(1, sp_size + 1) if sp_size % d == 0]
+        raise ValueError(
+            f"`ring_size={ring_size}` does not divide `sp_size={sp_size}`: the SP group is ring_size ring groups of"
+            f" sp_size / ring_size Ulysses ranks. Choose `ring_size` from {divisors}."
+        )
 
 
 def sp_groups_span_nodes(sp_size: int, devices_per_node: int, num_nodes: int) -> bool:
@@ -73,6 +86,9 @@ class SequenceParallelLayout:
         dp_size: Number of data-parallel replicas (``world_size // sp_size``).
         sp_rank: This rank's position inside its SP group (which sequence shard it holds).
         dp_rank: Index of this rank's SP group (which samples it reads).
+        ring_size: Ring groups per SP group (hybrid Ulysses × ring, USP); 1: Ulysses only.
+        ring_mesh: with ``ring_size > 1``, the 3-D mesh ``("dp", "ring", "ulysses")``, Ulysses innermost (a Ulysses
+            group is ``sp_size / ring_size`` consecutive ranks); else ``None``.
     """
 
     mesh: DeviceMesh
@@ -80,17 +96,49 @@ class SequenceParallelLayout:
     dp_size: int
     sp_rank: int
     dp_rank: int
+    ring_size: int = 1
+    ring_mesh: Optional[DeviceMesh] = None
 
     @classmethod
-    def build(cls, device_type: str, sp_size: int) -> "SequenceParallelLayout":
+    def build(cls, device_type: str, sp_size: int, ring_size: int = 1) -> "SequenceParallelLayout":
         """Create the mesh on every rank (a collective: all ranks must call it)."""
         world_size = dist.get_world_size()
         validate_sp_size(sp_size, world_size)
+        validate_ring_size(ring_size, sp_size)
         dp_size = world_size // sp_size
         mesh = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=(DP_DIM, SP_DIM))
         dp_rank, sp_rank = divmod(dist.get_rank(), sp_size)
         assert mesh.get_local_rank(SP_DIM) == sp_rank and mesh.get_local_rank(DP_DIM) == dp_rank
-        return cls(mesh=mesh, sp_size=sp_size, dp_size=dp_size, sp_rank=sp_rank, dp_rank=dp_rank)
+        ring_mesh = None
+        if ring_size > 1:
+            ring_mesh = init_device_mesh(device_type, (dp_size, ring_size, sp_size // ring_size),
+                                         mesh_dim_names=(DP_DIM, RING_DIM, ULYSSES_DIM))
+            assert ring_mesh.get_local_rank(RING_DIM) == sp_rank // (sp_size // ring_size)
+        return cls(mesh=mesh, sp_size=sp_size, dp_size=dp_size, sp_rank=sp_rank, dp_rank=dp_rank,
+                   ring_size=ring_size, ring_mesh=ring_mesh)
+
+    @property
+    def ulysses_size(self) -> int:
+        """Ranks of one Ulysses group (the all-to-all around attention): ``sp_size / ring_size``."""
+        return self.sp_size // self.ring_size
+
+    @property
+    def ring_rank(self) -> int:
+        return self.sp_rank // self.ulysses_size
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.sp_rank % self.ulysses_size
+
+    @property
+    def ulysses_group(self) -> dist.ProcessGroup:
+        """The consecutive ranks whose all-to-all swaps sequence for heads (the whole SP group when ring_size=1)."""
+        return self.ring_mesh.get_group(ULYSSES_DIM) if self.ring_mesh is not None else self.sp_group
+
+    @property
+    def ring_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks with the same Ulysses rank across the ring groups of this SP group (``None``: no ring)."""
+        return self.ring_mesh.get_group(RING_DIM) if self.ring_mesh is not None else None
 
     @property
     def sp_group(self) -> dist.ProcessGroup:

@@ -39,6 +39,7 @@ from lightning_ulysses.layout import (
     SequenceParallelLayout,
     node_spanning_warning,
     sp_groups_span_nodes,
+    validate_ring_size,
     validate_sp_size,
 )
 from lightning_ulysses.loss import step_cross_entropy, zero_gradient_scale
@@ -97,6 +98,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         verify_checkpoints: record every checkpoint file's SHA-256 in the completion marker when saving (each rank
             hashes a share of the files) and check them before resuming or evaluating from a checkpoint; a file
             whose bytes changed is refused. ``False`` skips the hashing on both sides (sizes are still checked).
+        ring_size: Hybrid Ulysses × ring sequence parallelism (USP): the SP group is ``ring_size`` ring groups of
+            ``sp_size / ring_size`` Ulysses ranks (consecutive ranks, so a Ulysses group stays inside a node).
+            Attention exchanges heads over the Ulysses ranks, then attends across the ring groups (keys/values
+            gathered over the ring, load-balanced zigzag sequence layout). Lifts the head limit: only
+            ``sp_size / ring_size`` must fit the heads. 1 (default): Ulysses only. Needs ``sdpa``; one document
+            per row.
         **kwargs: Every argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` (``stage``,
             ``offload_optimizer``, ``config``, ...).
     """
@@ -114,11 +121,16 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         offload_checkpoints: bool = False,
         check_sp_agreement: bool = True,
         verify_checkpoints: bool = True,
+        ring_size: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         if sp_size is not None:
             validate_sp_size(sp_size, sp_size)  # type and sign; the world size is checked once it is known
+            validate_ring_size(ring_size, sp_size)
+        elif not isinstance(ring_size, int) or isinstance(ring_size, bool) or ring_size < 1:
+            validate_ring_size(ring_size, 1)
+        self.ring_size = ring_size
         self._requested_sp_size = sp_size
         self.sdpa_per_document = sdpa_per_document
         self.gather_predictions = gather_predictions
@@ -173,16 +185,18 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def setup_environment(self) -> None:
         validate_sp_size(self.sp_size, self.num_nodes * self.num_processes)
-        if sp_groups_span_nodes(self.sp_size, self.num_processes, self.num_nodes):
-            rank_zero_warn(node_spanning_warning(self.sp_size, self.num_processes, self.num_nodes))
+        validate_ring_size(self.ring_size, self.sp_size)
+        ulysses = self.sp_size // self.ring_size  # the all-to-all group; ring traffic may cross nodes
+        if sp_groups_span_nodes(ulysses, self.num_processes, self.num_nodes):
+            rank_zero_warn(node_spanning_warning(ulysses, self.num_processes, self.num_nodes))
         if isinstance(self.accelerator, CPUAccelerator):
             _use_deepspeed_cpu_accelerator()
         # Lightning's DeepSpeedStrategy refuses anything but CUDA; the DDP setup underneath works for CPU/gloo too.
         DDPStrategy.setup_environment(self)
         if self._layout is None:
-            self._layout = SequenceParallelLayout.build(self.root_device.type, self.sp_size)
+            self._layout = SequenceParallelLayout.build(self.root_device.type, self.sp_size, self.ring_size)
         if self.check_sp_agreement and self.sp_size > 1:
-            self._agreement = SPAgreement(self._layout.sp_group, self._layout.sp_group_ranks, self.root_device)
+            self._agreement = SPAgreement(self._layout.sp_group, self._layout.sp_group_ranks(), self.root_device)
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self._layout.mesh
 
@@ -239,7 +253,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                 " own model'), mark them with `ulysses_attention_core = True`, or use `sp_size=1`."
             )
         for model in models:
-            hf.validate_model(model, self.sp_size, self.root_device.type)
+            hf.validate_model(model, self.sp_size, self.root_device.type, self.ring_size)
+        if cores and self.ring_size > 1:
+            raise ValueError(
+                f"attention_modules (your own attention cores) are not supported with ring_size={self.ring_size} yet:"
+                " use ring_size=1."
+            )
         hf.register_attention_functions()
         self._context = StepContext(
             sp_group=self.sp_group,
@@ -247,6 +266,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             grad_scale=zero_gradient_scale(self.config, self.sp_size, self.dp_size),
             accumulation=int(self.config.get("gradient_accumulation_steps", 1)),
             sdpa_per_document=self.sdpa_per_document,
+            ulysses_group=self.layout.ulysses_group,
+            ring_group=self.layout.ring_group,
         )
         for model in models:
             hf.prepare_model(model, self._context)
@@ -281,6 +302,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def shard_positions(self, shard_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
         """Global positions ``[shard_len]`` of this rank's sequence shard (for rotary/absolute position embeddings
         of your own model; batches from the strategy's loaders also carry them as ``position_ids``)."""
+        if self.ring_size > 1:
+            raise RuntimeError("shard_positions: with ring_size > 1 the shard is not contiguous; use the batch's"
+                               " position_ids.")
         start = self.sp_rank * shard_len
         return torch.arange(start, start + shard_len, device=device or self.root_device)
 
@@ -324,7 +348,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         world must call it the same number of times (the loss reduces over all ranks)."""
         from lightning_ulysses.data import shard_batch
 
-        shard = shard_batch(batch, self.sp_size, self.sp_rank, self._pad_token_id())
+        shard = shard_batch(batch, self.sp_size, self.sp_rank, self._pad_token_id(), ring_size=self.ring_size)
         info = shard.pop(SHARD_INFO_KEY)
         context = self.step_context
         previous = context.shard, context.tile_shard_len, context.token_stats
@@ -401,7 +425,14 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         output = super().predict_step(*args, **kwargs)
         if not self.gather_predictions or local_shape is None or self.current_shard is None:
             return output
-        return gather_sequence_outputs(output, local_shape, self.current_shard.seq_len, self.sp_group)
+        order = None
+        if self.ring_size > 1:
+            from lightning_ulysses.ring import full_order, padded_length
+
+            ulysses = self.sp_size // self.ring_size
+            order = full_order(padded_length(self.current_shard.seq_len, self.ring_size, ulysses), self.ring_size,
+                               ulysses)
+        return gather_sequence_outputs(output, local_shape, self.current_shard.seq_len, self.sp_group, order)
 
     @override
     def _setup_model_and_optimizer(
@@ -463,7 +494,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._seed_workers_by_dp_rank(dataloader)
         fingerprint = self._agreement is not None
         dataloader = install_sharding_collate(dataloader, self.sp_size, self.sp_rank, self._pad_token_id(),
-                                              fingerprint=fingerprint)
+                                              fingerprint=fingerprint, ring_size=self.ring_size)
         accumulation = self._context.accumulation if self._context is not None else 1
         trainer = getattr(self.lightning_module, "_trainer", None)
         kind = _loader_kind(trainer)

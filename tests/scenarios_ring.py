@@ -1,0 +1,59 @@
+"""Ring attention alone, in float64, against full causal attention (forward and backward), run by
+``tests/test_ring.py`` as ``launch(N, "tests.scenarios_ring:ring_alone", payload)``: every rank holds its zigzag
+tokens, attends over the ring group, and compares with the same positions of a full-sequence computation."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class Module:
+    num_key_value_groups = 1
+    is_causal = True
+
+
+def ring_alone(payload: dict) -> dict:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from lightning_ulysses.ring import ring_attention, shard_index
+
+    dist.init_process_group("gloo")
+    R, rank = dist.get_world_size(), dist.get_rank()
+    results = {}
+    for case in payload["cases"]:
+        B, Hq, Hkv, S, D, window = case["B"], case["Hq"], case["Hkv"], case["S"], case["D"], case.get("window")
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(B, h, S, D, generator=g, dtype=torch.float64) for h in (Hq, Hkv, Hkv))
+        grad_out = torch.randn(B, S, Hq, D, generator=g, dtype=torch.float64)
+        # the reference: full causal (windowed) attention on one rank's worth of everything
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        pos = torch.arange(S)
+        allowed = pos[None, :] <= pos[:, None]
+        if window:
+            allowed &= pos[None, :] > pos[:, None] - window
+        full = F.scaled_dot_product_attention(qf, kf.repeat_interleave(Hq // Hkv, 1),
+                                              vf.repeat_interleave(Hq // Hkv, 1), attn_mask=allowed)
+        full = full.transpose(1, 2)  # [B, S, Hq, D]
+        (full * grad_out).sum().backward()
+        # this rank: its zigzag tokens
+        idx = shard_index(S, R, 1, rank, 0)
+        ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+        module = Module()
+        module.num_key_value_groups = Hq // Hkv
+        out = ring_attention(sdpa_attention_forward, module, ql, kl, vl, dist.group.WORLD, window, {})  # [B, L, Hq, D]
+        (out * grad_out[:, idx]).sum().backward()
+        # the keys' gradients: every rank's queries contribute to every key; sum the ranks' local key gradients
+        # at their positions is what the gather's adjoint already did, so compare directly
+        results[case["name"]] = {
+            "out": (out - full[:, idx]).abs().max().item(),
+            "dq": (ql.grad - qf.grad[:, :, idx]).abs().max().item(),
+            "dk": (kl.grad - kf.grad[:, :, idx]).abs().max().item(),
+            "dv": (vl.grad - vf.grad[:, :, idx]).abs().max().item(),
+            "scale": full.abs().max().item(),
+        }
+    dist.destroy_process_group()
+    return results
