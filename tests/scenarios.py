@@ -172,7 +172,9 @@ def collectives(payload: dict) -> dict:
         seed_everything(SEED, verbose=False)
         config = tiny_llama_config(num_kv_heads=payload["kv_heads"], layers=layers)
         module = CountingCausalLM(config, dataset=TokenDataset(2, 32))
-        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=payload["stage"]), max_steps=1)
+        strategy = UlyssesDeepSpeedStrategy(sp_size=payload.get("sp_size", 2), stage=payload["stage"],
+                                            ring_size=payload.get("ring_size", 1))
+        trainer = make_trainer(strategy, max_steps=1)
         trainer.fit(module)
         out[layers] = {"forward": module.forward_counts, "backward": module.backward_counts}
     return out

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.launcher import launch
-from tests.models import TokenDataset, build_llama, tiny_llama_config, train_single_device, train_on_batches
+from tests.models import VarLenDataset, pad_right_collate, tiny_llama_config, train_on_batches
 from tests.test_parity import LR, REL_TOL, SEQ_LEN, STEPS, check_against_reference, rel_diff, update_rel_diff
 
 RING_CASES = [
@@ -39,9 +39,27 @@ def ring_alone():
     return launch(4, "tests.scenarios_ring:ring_alone", {"cases": RING_CASES})
 
 
+PADDED = VarLenDataset([20, 32, 9, 27, 30, 14, 31, 17])
+REALDATA = {"padded_2x2": {"dataset": PADDED, "batch_size": 2, "collate_fn": pad_right_collate, "sp_size": 4,
+                           "strategy": {"ring_size": 2}, "after": ("validate", "predict"),
+                           "trainer": {"limit_val_batches": 1.0}}}
+LAYERS = (2, 3)
+
+
 @pytest.fixture(scope="module")
-def trained():
-    return launch(4, "parity", {"runs": list(RUNS.values())})
+def launched():
+    """One launch of 4 processes: the parity runs, collective counts at 2x2, right-padded training + evaluation."""
+    return launch(4, "combined", {
+        "parity": ["parity", {"runs": list(RUNS.values())}],
+        "collectives": ["collectives", {"layers": list(LAYERS), "kv_heads": 2, "stage": 2, "sp_size": 4,
+                                        "ring_size": 2}],
+        "realdata": ["realdata", {"cases": REALDATA}],
+    })
+
+
+@pytest.fixture(scope="module")
+def trained(launched):
+    return [rank["parity"] for rank in launched]
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in RING_CASES])
@@ -66,3 +84,37 @@ def test_ring_shards_are_zigzag_and_heads_split_over_ulysses_only(trained):
     # Ulysses 2: 2 of 4 heads per rank; each ring query chunk (S/4 tokens) attends over keys up to its position
     assert {shape[1] for shape in run["attention_query_shapes"]} == {2}
     assert {shape[2] for shape in run["attention_query_shapes"]} == {SEQ_LEN // 4}
+
+
+@pytest.mark.parametrize("layers", LAYERS)
+def test_collectives_per_attention_layer_at_2x2(launched, layers):
+    """Per layer: the Ulysses all-to-alls (q/k/v packed, output) and one all-to-all gathering K/V over the ring, in
+    forward and again in backward; one all-reduce per step for the loss."""
+    counts = [rank["collectives"][layers] for rank in launched]
+    assert all(c == counts[0] for c in counts)
+    assert counts[0]["forward"] == {"alltoall_base_": 3 * layers, "allreduce_": 1}
+    assert counts[0]["backward"]["alltoall_base_"] == 3 * layers
+
+
+def test_right_padding_validation_and_predictions_with_ring(launched):
+    from tests.test_realdata import ordered_batches
+
+    config = tiny_llama_config(num_kv_heads=2)
+    reference = train_on_batches(config, ordered_batches(PADDED, 2))
+    result = launched[0]["realdata"]["padded_2x2"]
+    assert rel_diff(result["losses"], reference["losses"]) <= REL_TOL
+    from tests.models import build_llama
+
+    initial = dict(build_llama(config).named_parameters())
+    assert update_rel_diff(result["weights"], reference["weights"], initial) <= REL_TOL
+    model = reference["model"]
+    batches = [pad_right_collate([PADDED[i], PADDED[i + 1]]) for i in range(0, len(PADDED), 2)]
+    with torch.no_grad():
+        outputs = [model(**b) for b in batches]
+    val_loss = sum(o.loss.item() for o in outputs) / len(outputs)
+    for rank in launched:
+        got = rank["realdata"]["padded_2x2"]
+        assert got["validate"]["val_loss"] == pytest.approx(val_loss, rel=REL_TOL)
+        for prediction, output, batch in zip(got["predict"], outputs, batches):
+            real = batch["attention_mask"].bool()  # compare the real tokens' logits (pads attend nothing useful)
+            assert rel_diff(prediction[real], output.logits[real]) <= REL_TOL
