@@ -130,7 +130,8 @@ def worker_lightning(args) -> dict:
             probe.step_end()
 
     trainer = Trainer(accelerator="cuda" if cuda else "cpu", devices=args.sp, max_steps=args.steps,
-                      strategy=UlyssesDeepSpeedStrategy(sp_size=args.sp, stage=2, reduce_bucket_size=args.bucket,
+                      strategy=UlyssesDeepSpeedStrategy(sp_size=args.sp, stage=2, ring_size=args.ring,
+                                                        reduce_bucket_size=args.bucket,
                                                         allgather_bucket_size=args.bucket, **SWITCHES[args.config]),
                       precision="bf16-mixed" if cuda else "32-true", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()])
@@ -181,11 +182,11 @@ def worker_main(args) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- driver side
-def run_one(args, config: str, sp: int, seq_len: int) -> dict | None:
+def run_one(args, config: str, sp: int, seq_len: int, ring: int = 1) -> dict | None:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={sp}", "--master_port",
                str(29600 + sp), __file__, "--worker", "--config", config, "--sp", str(sp), "--seq-len", str(seq_len),
-               "--result-dir", tmp, *_model_flags(args)]
+               "--ring", str(ring), "--result-dir", tmp, *_model_flags(args)]
         env = {"MALLOC_MMAP_THRESHOLD_": CPU_MMAP_THRESHOLD, **os.environ,
                "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // sp))}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -196,15 +197,16 @@ def run_one(args, config: str, sp: int, seq_len: int) -> dict | None:
         ranks = [json.loads(f.read_text()) for f in files]
     step = sorted(ranks[0]["step_times"][1:] or ranks[0]["step_times"])  # the first step warms up
     median = step[len(step) // 2]
-    return {"config": config, "sp": sp, "seq_len": seq_len, "peak_mib_per_rank": max(r["peak_bytes"] for r in ranks) / 2**20,
+    label = config if ring == 1 else f"{config}+ring{ring}"
+    return {"config": label, "sp": sp, "seq_len": seq_len, "peak_mib_per_rank": max(r["peak_bytes"] for r in ranks) / 2**20,
             "step_s": median, "tokens_per_s": seq_len / median}
 
 
-def _measure(args, rows: list[dict], config: str, sp: int, seq_len: int, start: float) -> bool:
-    row = run_one(args, config, sp, seq_len)
+def _measure(args, rows: list[dict], config: str, sp: int, seq_len: int, start: float, ring: int = 1) -> bool:
+    row = run_one(args, config, sp, seq_len, ring)
     if row:
         rows.append(row)
-        print(f"  {config:>14} sp={sp} S={seq_len:>6}: {row['peak_mib_per_rank']:8.1f} MiB/rank, "
+        print(f"  {row['config']:>14} sp={sp} S={seq_len:>6}: {row['peak_mib_per_rank']:8.1f} MiB/rank, "
               f"{row['tokens_per_s']:8.0f} tok/s  ({time.time() - start:.0f} s)", flush=True)
     return row is not None
 
@@ -264,6 +266,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--ring", type=int, nargs="+", default=[1],
+                        help="ring_size values to run for every sp they divide (hybrid Ulysses x ring; 1: Ulysses"
+                             " only); configurations get the suffix +ringN")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the grid this many times (repeats interleaved); the table keeps the median step"
                              " time (raw runs: sweep_runs.csv)")
@@ -278,7 +283,7 @@ def main() -> None:
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        args.sp = args.sp[0]
+        args.sp, args.ring = args.sp[0], args.ring[0]
         import torch
 
         if not torch.cuda.is_available():
@@ -294,11 +299,15 @@ def main() -> None:
                 for config in args.configs:
                     if config == "deepspeed-loop" and sp == 1:
                         continue  # DeepSpeed's HF Ulysses registration needs sp > 1
-                    _measure(args, runs, config, sp, seq_len, start)
+                    for ring in args.ring:
+                        if sp % ring or (ring > 1 and config == "deepspeed-loop"):
+                            continue
+                        _measure(args, runs, config, sp, seq_len, start, ring)
     rows = merge_repeats(runs)
     for config, sp in sorted({(r["config"], r["sp"]) for r in rows if r["sp"] in args.search_sp}):
+        base, _, ring = config.partition("+ring")
         while (seq_len := next_search_length(rows, config, sp, args)) is not None:
-            if not _measure(args, rows, config, sp, seq_len, start):
+            if not _measure(args, rows, base, sp, seq_len, start, int(ring or 1)):
                 break
     if args.repeat > 1:
         _write_csv(runs, OUT / "sweep_runs.csv")

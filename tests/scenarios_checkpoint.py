@@ -106,7 +106,7 @@ def _fit(run: dict, root: Path) -> dict[str, Any]:
                                          save_top_k=-1, filename="{step}"))
     if run.get("kill_rank") == int(os.environ["RANK"]):
         callbacks.append(KillWhileSaving(run["kill_at_save"]))
-    strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"])
+    strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"], **run.get("strategy", {}))
     trainer = make_trainer(strategy, run.get("max_steps", -1), callbacks=callbacks, max_epochs=run["max_epochs"],
                            enable_checkpointing=bool(run.get("ckpt_every")))
     resume = run.get("resume")

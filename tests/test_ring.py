@@ -46,10 +46,21 @@ REALDATA = {"padded_2x2": {"dataset": PADDED, "batch_size": 2, "collate_fn": pad
 LAYERS = (2, 3)
 
 
+CKPT_BASE = dict(num_rows=6, seq_len=16, batch_size=1, sp_size=4, max_epochs=2)
+CKPT_RUNS = {
+    "ring_full": {**CKPT_BASE, "stage": 2, "ckpt_every": 4, "ckpt_dir": "ring", "strategy": {"ring_size": 2}},
+    "ulysses_from_ring": {**CKPT_BASE, "stage": 2, "resume": "ring/step=4.ckpt"},  # ring 2x2 -> Ulysses 4
+    "ring4_from_ring": {**CKPT_BASE, "stage": 2, "resume": "ring/step=8.ckpt", "strategy": {"ring_size": 4}},
+}
+
+
 @pytest.fixture(scope="module")
-def launched():
-    """One launch of 4 processes: the parity runs, collective counts at 2x2, right-padded training + evaluation."""
+def launched(tmp_path_factory):
+    """One launch of 4 processes: the parity runs, collective counts at 2x2, right-padded training + evaluation,
+    checkpoints resumed with another ring x Ulysses split."""
+    root = tmp_path_factory.mktemp("ring-checkpoints")
     return launch(4, "combined", {
+        "fits": ["tests.scenarios_checkpoint:fits", {"root": str(root), "runs": CKPT_RUNS}],
         "parity": ["parity", {"runs": list(RUNS.values())}],
         "collectives": ["collectives", {"layers": list(LAYERS), "kv_heads": 2, "stage": 2, "sp_size": 4,
                                         "ring_size": 2}],
@@ -118,3 +129,11 @@ def test_right_padding_validation_and_predictions_with_ring(launched):
         for prediction, output, batch in zip(got["predict"], outputs, batches):
             real = batch["attention_mask"].bool()  # compare the real tokens' logits (pads attend nothing useful)
             assert rel_diff(prediction[real], output.logits[real]) <= REL_TOL
+
+
+@pytest.mark.parametrize("name, first_step", [("ulysses_from_ring", 5), ("ring4_from_ring", 9)])
+def test_resume_with_another_ring_ulysses_split(launched, name, first_step):
+    from tests.test_checkpoints import assert_continues, global_steps
+
+    fits = [rank["fits"] for rank in launched]
+    assert_continues(global_steps(fits, name), global_steps(fits, "ring_full"), first_step)
