@@ -227,6 +227,7 @@ class _SavedModelState:
     loss_function: Any
     marked_modules: list[nn.Module] = field(default_factory=list)
     direct_sdpa_modules: list[nn.Module] = field(default_factory=list)
+    hooks: list[Any] = field(default_factory=list)
 
 
 _SAVED = "_ulysses_saved_state"
@@ -262,6 +263,21 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
     for module in saved.marked_modules:
         module.__dict__[_CONTEXT_ATTR] = context
     model.loss_function = SequenceParallelLossFunction(context)
+    if not saved.hooks:
+        saved.hooks.append(model.register_forward_pre_hook(_refuse_router_aux_loss, with_kwargs=True))
+
+
+def _refuse_router_aux_loss(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """``model(..., output_router_logits=True)`` asks for the MoE load-balancing loss in this call, which
+    transformers would compute from this rank's tokens only (the config-level switch is refused before compute)."""
+    coefficient = getattr(model.config, "router_aux_loss_coef", 1.0)
+    if kwargs.get("output_router_logits") and coefficient and torch.is_grad_enabled():
+        raise ValueError(
+            f"{type(model).__name__} was called with output_router_logits=True: transformers computes the MoE"
+            " load-balancing loss from the router statistics of this rank's tokens only, so under sequence"
+            " parallelism its value and gradients differ from the whole batch's. Leave output_router_logits off"
+            " for training under SP."
+        )
 
 
 def restore_model(model: nn.Module) -> None:
@@ -276,6 +292,8 @@ def restore_model(model: nn.Module) -> None:
         module.__dict__.pop(_CONTEXT_ATTR, None)
     for module in saved.direct_sdpa_modules:
         module.__dict__.pop("forward", None)
+    for hook in saved.hooks:
+        hook.remove()
     if saved.had_loss_function:
         model.__dict__["_loss_function"] = saved.loss_function
     else:

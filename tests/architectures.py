@@ -75,6 +75,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                 "expect": "linear_attention"},
     "qwen3_moe_aux_loss": {"type": "qwen3_moe", "config": {**MOE, "output_router_logits": True},
                            "expect": "output_router_logits"},
+    "qwen3_moe_aux_loss_in_forward": {"type": "qwen3_moe", "config": MOE, "forward": {"output_router_logits": True},
+                                      "expect": "called with output_router_logits=True"},
     "doge": {"type": "doge", "expect": "attention_mask"},
     "gemma2_eager": {"type": "gemma2", "attn": "eager",
                      "expect": "supports ['flash_attention_2', 'flash_attention_3', 'flex_attention']"},

@@ -14,7 +14,7 @@ from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
-from tests.architectures import batches, build_model
+from tests.architectures import ARCHITECTURES, batches, build_model
 from tests.scenarios import LAUNCH_WORLD_SIZE, make_trainer
 
 
@@ -24,9 +24,10 @@ class ArchitectureLM(LightningModule):
         self.model = build_model(name)
         self.lr, self.steps = lr, steps
         self.losses: list[float] = []
+        self.forward_kwargs = ARCHITECTURES[name].get("forward", {})
 
     def training_step(self, batch, batch_idx):
-        loss = self.model(**batch).loss
+        loss = self.model(**batch, **self.forward_kwargs).loss
         self.losses.append(loss.item())
         return loss
 
