@@ -369,9 +369,15 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         return step_cross_entropy(self.step_context, logits, shift_labels)
 
     # ----------------------------------------------------------------------------------------------- steps
-    def _begin_step(self, kind: str) -> None:
+    def _begin_step(self, kind: str, batch: Any = None) -> None:
         """Take the facts of this step's batch from the queue its loader filled (before any compute): check that the
         SP peers hold the same batch, check packing support, and put them into the step context."""
+        if batch is not None and hasattr(batch, "__next__"):
+            raise ValueError(
+                f"UlyssesDeepSpeedStrategy does not support a {kind} step that takes the dataloader iterator"
+                " (`dataloader_iter`): the strategy pairs every batch with its sharding facts when the loop fetches"
+                " it. Take `batch` as the step's argument instead."
+            )
         queue = self._step_queues.get(kind)
         shard = queue.pop() if queue is not None else None
         if shard is None:
@@ -382,6 +388,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             )
         if self._agreement is not None and shard.fingerprint is not None:
             self._agreement.verify(shard.fingerprint, shard.seq_len, shard.batch_size, where=f"{kind} step")
+        if shard.packed and self.ring_size > 1:
+            raise ValueError(hf.ring_packed_documents_error())
         if shard.packed:
             for model in self._prepared_models:
                 impl = hf.attention_implementation(model)
@@ -404,23 +412,23 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step("train")
+        self._begin_step("train", args[0] if args else kwargs.get("batch"))
         return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step("validate")
+        self._begin_step("validate", args[0] if args else kwargs.get("batch"))
         return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step("test")
+        self._begin_step("test", args[0] if args else kwargs.get("batch"))
         return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
-        self._begin_step("predict")
+        self._begin_step("predict", batch)
         local_shape = tuple(batch["input_ids"].shape[:2]) if isinstance(batch, dict) and "input_ids" in batch else None
         output = super().predict_step(*args, **kwargs)
         if not self.gather_predictions or local_shape is None or self.current_shard is None:

@@ -100,6 +100,10 @@ class Module(CausalLM):
                 return batch
 
             return DataLoader(self.dataset, batch_size=1, collate_fn=collate)
+        if loader == "packed":
+            from tests.models import PackedDataset
+
+            return DataLoader(PackedDataset([[6, 10], [8, 8], [16], [4, 12]]), batch_size=1)
         if loader == "unbatched":
             return DataLoader(self.dataset, batch_size=None)
         return super().train_dataloader()
@@ -136,6 +140,15 @@ class NoAttentionLM(Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
 
 
+class IteratorStepLM(Module):
+    """A training_step that pulls batches itself (Lightning's `dataloader_iter` mode)."""
+
+    def training_step(self, dataloader_iter):
+        self.steps += 1
+        batch = next(dataloader_iter)
+        return self.model(**batch).loss
+
+
 class FullBatchRecorder(Callback):
     """Loss bit patterns per step, and the fingerprint of every full batch this rank trained on."""
 
@@ -150,7 +163,7 @@ class FullBatchRecorder(Callback):
 
 def _fit(case: dict) -> dict:
     seed_everything(SEED, workers=case.get("seed_workers", False), verbose=False)
-    module = NoAttentionLM(case) if case.get("module") == "no_attention" else Module(case)
+    module = {"no_attention": NoAttentionLM, "dataloader_iter": IteratorStepLM}.get(case.get("module"), Module)(case)
     recorder = FullBatchRecorder()
     strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=case.get("stage", 2), **case.get("strategy", {}))
     trainer = make_trainer(strategy, case.get("max_steps", 4), callbacks=[recorder], **case.get("trainer", {}))

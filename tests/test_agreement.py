@@ -26,6 +26,8 @@ CASES = [
     {"name": "crops_check_off", "loader": "crops_global_rank_init", "strategy": {"check_sp_agreement": False}},
     {"name": "unbatched", "loader": "unbatched"},
     {"name": "no_attention", "module": "no_attention"},
+    {"name": "dataloader_iter", "module": "dataloader_iter"},
+    {"name": "ring_packed", "loader": "packed", "strategy": {"ring_size": 2, "sdpa_per_document": True}},
     {"name": "mask_4d", "loader": "mask_4d"},
     {"name": "tutorial_loss", "tutorial_loss": True},
     {"name": "accumulate2", "trainer": {"accumulate_grad_batches": 2}},
@@ -126,6 +128,14 @@ def test_deepspeed_tutorial_loss_code_trains_wrong_with_a_right_looking_loss(res
 def test_sp_with_no_attention_to_switch_is_an_error_before_compute(results):
     _assert_stopped(results["no_attention"], "ValueError", "found no Hugging Face PreTrainedModel and no attention"
                     " core", "attention_modules=[...]", "sp_size=1")
+
+
+def test_a_step_that_pulls_batches_itself_is_refused(results):
+    _assert_stopped(results["dataloader_iter"], "ValueError", "`dataloader_iter`", "Take `batch`")
+
+
+def test_packed_documents_with_ring_are_refused_before_compute(results):
+    _assert_stopped(results["ring_packed"], "ValueError", "Packed documents", "ring_size > 1")
 
 
 def test_hook_that_rebuilds_the_batch_keeps_exact_accumulation(results):
