@@ -8,11 +8,12 @@ Ulysses group is ``ulysses_size`` consecutive ranks, inside a node). Layout of t
   causal work (an early and a late chunk);
 * inside the ring rank's Ulysses group those ``L`` tokens are cut into ``U`` contiguous shards of ``s = S/(R·U)``.
 
-Around attention the Ulysses all-to-all gives each rank its ring rank's ``L`` tokens for ``H/U`` heads. The ring
-step then gathers the keys and values of all ``R`` ring ranks (``[B, h, S, D]``, all-gather over the ring group,
-Llama-3-style context parallelism: the same volume a ring of point-to-point sends moves, without the overlap), and
-each query chunk attends causally to the keys up to its own global position. The backward pass is autograd's: the
-gather's adjoint sums every ring rank's key/value gradients back to their owners (a reduce-scatter).
+Around attention the Ulysses all-to-all gives each rank its ring rank's ``L`` tokens for ``H/U`` heads. Ring
+attention then passes the key/value blocks around the ring group point to point (``R - 1`` passes forward), and
+each rank attends its queries to every block it sees under the causal (and sliding-window) mask of the global
+positions, merging the blocks' partial results exactly with a running log-sum-exp; no rank ever holds more than
+two K/V blocks. Backward recomputes each block's probabilities from the saved log-sum-exp and passes the blocks on
+with their key/value gradients (``R`` passes), so every block's gradient ends with its owner.
 """
 
 from __future__ import annotations
@@ -61,41 +62,142 @@ def gather_ring(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return all_to_all(copies, [n] * R, [n] * R, group)  # [R·n, ...]: block j from rank j
 
 
+def _ring_peers(group: dist.ProcessGroup) -> tuple[int, int]:
+    """Global ranks of the next and the previous ring rank."""
+    R, i = dist.get_world_size(group), dist.get_rank(group)
+    return dist.get_global_rank(group, (i + 1) % R), dist.get_global_rank(group, (i - 1) % R)
+
+
+def _pass_around(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Send ``tensors`` to the next ring rank and receive the previous rank's (point-to-point, both at once)."""
+    nxt, prev = _ring_peers(group)
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prev, group) for r in received]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
+def _zigzag_positions(rank: int, R: int, c: int, device: torch.device) -> torch.Tensor:
+    """``[2c]`` global positions of ring rank ``rank``'s tokens: chunk ``rank`` then chunk ``2R-1-rank``."""
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
+                      torch.arange((2 * R - 1 - rank) * c, (2 * R - rank) * c, device=device)])
+
+
+def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """``[Lq, Lk]`` causal (and sliding-window) mask on global positions, True = attend."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention with point-to-point passing of K/V blocks and an exact log-sum-exp merge; the backward pass
+    recomputes each block's probabilities from the saved log-sum-exp and passes the blocks' key/value gradients
+    around the ring with them, so each returns to its owner after a full round.
+
+    Shapes: ``q [B, hq, L, D]``, ``k/v [B, hkv, L, D]`` (this ring rank's zigzag tokens), output ``[B, hq, L, D]``.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,  # type: ignore[override]
+                window: Optional[int], scale: float) -> torch.Tensor:
+        R, i = dist.get_world_size(group), dist.get_rank(group)
+        B, hq, L, D = q.shape
+        groups = hq // k.shape[1]
+        c = L // 2
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qf = q.to(acc_dtype)
+        q_pos = _zigzag_positions(i, R, c, q.device)
+        running_max = torch.full((B, hq, L), float("-inf"), dtype=acc_dtype, device=q.device)
+        running_sum = torch.zeros((B, hq, L), dtype=acc_dtype, device=q.device)
+        acc = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
+        block_k, block_v = k, v
+        for step in range(R):
+            owner = (i - step) % R  # whose tokens this K/V block holds
+            if step + 1 < R:  # start nothing asynchronous: blocks are small next to the compute on CPU/gloo
+                next_k, next_v = _pass_around([block_k, block_v], group)
+            kx = block_k.repeat_interleave(groups, dim=1).to(acc_dtype)  # [B, hq, L, D]
+            vx = block_v.repeat_interleave(groups, dim=1).to(acc_dtype)
+            scores = (qf @ kx.transpose(-1, -2)) * scale  # [B, hq, L, L]
+            mask = _allowed(q_pos, _zigzag_positions(owner, R, c, q.device), window)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            new_max = torch.maximum(running_max, scores.amax(-1))
+            safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+            probs = torch.exp(scores - safe_max[..., None])  # masked entries: exp(-inf) = 0
+            correction = torch.exp(torch.where(torch.isinf(running_max), torch.full_like(running_max, float("-inf")),
+                                               running_max - safe_max))
+            running_sum = running_sum * correction + probs.sum(-1)
+            acc = acc * correction[..., None] + probs @ vx
+            running_max = new_max
+            if step + 1 < R:
+                block_k, block_v = next_k, next_v
+        out = acc / running_sum.clamp(min=torch.finfo(acc_dtype).tiny)[..., None]
+        lse = running_max + torch.log(running_sum.clamp(min=torch.finfo(acc_dtype).tiny))  # [B, hq, L]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.window, ctx.scale = group, window, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        group, window, scale = ctx.group, ctx.window, ctx.scale
+        R, i = dist.get_world_size(group), dist.get_rank(group)
+        B, hq, L, D = q.shape
+        hkv = k.shape[1]
+        groups = hq // hkv
+        c = L // 2
+        acc_dtype = out.dtype
+        qf, dout = q.to(acc_dtype), grad_out.to(acc_dtype)
+        delta = (dout * out).sum(-1)  # [B, hq, L]
+        q_pos = _zigzag_positions(i, R, c, q.device)
+        dq = torch.zeros_like(qf)
+        block = [k, v, torch.zeros_like(k, dtype=acc_dtype), torch.zeros_like(v, dtype=acc_dtype)]
+        for step in range(R):
+            owner = (i - step) % R
+            block_k, block_v, block_dk, block_dv = block
+            kx = block_k.repeat_interleave(groups, dim=1).to(acc_dtype)
+            vx = block_v.repeat_interleave(groups, dim=1).to(acc_dtype)
+            scores = (qf @ kx.transpose(-1, -2)) * scale
+            mask = _allowed(q_pos, _zigzag_positions(owner, R, c, q.device), window)
+            probs = torch.exp(scores - lse[..., None]).masked_fill(~mask, 0.0)  # [B, hq, L, L]
+            dv_x = probs.transpose(-1, -2) @ dout  # [B, hq, L, D]
+            dprobs = dout @ vx.transpose(-1, -2)
+            dscores = probs * (dprobs - delta[..., None])
+            dq += (dscores @ kx) * scale
+            dk_x = (dscores.transpose(-1, -2) @ qf) * scale
+            block_dk = block_dk + dk_x.view(B, hkv, groups, L, D).sum(2)
+            block_dv = block_dv + dv_x.view(B, hkv, groups, L, D).sum(2)
+            # pass the block on with its gradients; after R passes each block is back with its owner
+            block = _pass_around([block_k, block_v, block_dk, block_dv], group)
+        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None, None
+
+
 def ring_attention(inner: Callable[..., Any], module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    group: dist.ProcessGroup, window: Optional[int], kwargs: dict[str, Any]) -> torch.Tensor:
-    """Causal attention of this ring rank's queries over the whole sequence.
+    """Causal attention of this ring rank's queries over the whole sequence, K/V blocks passed around the ring.
 
     Args:
-        inner: transformers' ``sdpa`` attention function (``inner(module, q, k, v, mask, **kwargs)``).
+        inner: transformers' attention function (unused by the ring kernel; kept for the caller's interface).
         q: ``[B, hq, L, D]``, k/v: ``[B, hkv, L, D]``: this ring rank's ``L = 2c`` tokens (chunk ``i`` then chunk
             ``2R-1-i``) for its heads, after the Ulysses exchange.
         group: the ring group (rank ``i`` of it is ring rank ``i``).
         window: the layer's sliding window (``None``: full causal).
+        kwargs: transformers' attention keywords: ``scaling`` is used; attention dropout and soft-capping are
+            refused.
 
     Returns:
         ``[B, L, hq, D]`` in the same token order as ``q``.
     """
-    R, i = dist.get_world_size(group), dist.get_rank(group)
-    B, hkv, L, D = k.shape
-    c = L // 2
-    kv = gather_ring(torch.stack([k, v]).transpose(0, 1).reshape(B * 2, hkv, L, D), group)  # [R·2B, hkv, L, D]
-    kv = kv.view(R, B, 2, hkv, L, D)
-    chunks: list[Optional[torch.Tensor]] = [None] * (2 * R)
-    for j in range(R):  # ring rank j holds chunk j, then chunk 2R-1-j
-        chunks[j], chunks[2 * R - 1 - j] = kv[j, ..., :c, :], kv[j, ..., c:, :]
-    full = torch.cat(chunks, dim=-2)  # type: ignore[arg-type]  # [B, 2, hkv, S, D] in sequence order
-    keys, values = full[:, 0], full[:, 1]  # [B, hkv, S, D]
-    outputs = []
-    for half, chunk in ((0, i), (1, 2 * R - 1 - i)):
-        start = chunk * c  # global position of this query chunk's first token
-        first_key = max(0, start - window + 1) if window else 0
-        last_key = start + c  # causal: no key after the chunk's last query
-        query_pos = torch.arange(start, start + c, device=q.device)[:, None]  # [c, 1]
-        key_pos = torch.arange(first_key, last_key, device=q.device)[None, :]  # [1, k]
-        mask = key_pos <= query_pos
-        if window:
-            mask &= key_pos > query_pos - window
-        out = inner(module, q[:, :, half * c:(half + 1) * c], keys[:, :, first_key:last_key],
-                    values[:, :, first_key:last_key], mask[None, None], **kwargs)[0]  # [B, c, hq, D]
-        outputs.append(out)
-    return torch.cat(outputs, dim=1)  # [B, L, hq, D]
+    if kwargs.get("dropout") and getattr(module, "training", False):
+        raise ValueError("Attention dropout is not supported with ring_size > 1; set the model's attention dropout"
+                         " to 0.")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("Attention logit soft-capping is not supported with ring_size > 1.")
+    scale = kwargs.get("scaling")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    out = _RingAttention.apply(q, k, v, group, window, float(scale))  # [B, hq, L, D]
+    return out.transpose(1, 2)  # [B, L, hq, D]

@@ -145,9 +145,12 @@ class CountingCausalLM(CausalLM):
 
         if batch_idx > 0:
             return super().training_step(batch, batch_idx)
+        passes_before = RING_PASSES["n"]
         with CommDebugMode() as comm:
             loss = self.model(**batch).loss
         self.forward_counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+        if RING_PASSES["n"] > passes_before:  # CommDebugMode does not see point-to-point sends
+            self.forward_counts["ring_passes"] = RING_PASSES["n"] - passes_before
         return loss
 
     def on_before_backward(self, loss):
@@ -156,17 +159,39 @@ class CountingCausalLM(CausalLM):
         if not self.backward_counts and self._backward_mode is None:
             self._backward_mode = CommDebugMode()
             self._backward_mode.__enter__()
+            self._passes_before_backward = RING_PASSES["n"]
 
     def on_after_backward(self):
         if self._backward_mode is not None:
             self._backward_mode.__exit__(None, None, None)
             self.backward_counts = {str(op).split(".")[-1]: n
                                     for op, n in self._backward_mode.get_comm_counts().items()}
+            if RING_PASSES["n"] > self._passes_before_backward:
+                self.backward_counts["ring_passes"] = RING_PASSES["n"] - self._passes_before_backward
             self._backward_mode = None
+
+
+RING_PASSES = {"n": 0}  # point-to-point passes of K/V blocks around the ring (counted by a wrapper)
+
+
+def _count_ring_passes() -> None:
+    from lightning_ulysses import ring
+
+    if getattr(ring._pass_around, "_counted", False):
+        return
+    original = ring._pass_around
+
+    def counted(tensors, group):
+        RING_PASSES["n"] += 1
+        return original(tensors, group)
+
+    counted._counted = True
+    ring._pass_around = counted
 
 
 def collectives(payload: dict) -> dict:
     """Collectives of one training step's forward and backward, per number of layers."""
+    _count_ring_passes()
     out = {}
     for layers in payload["layers"]:
         seed_everything(SEED, verbose=False)

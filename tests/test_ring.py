@@ -89,22 +89,22 @@ def test_ring_training_matches_single_device(trained, name):
     check_against_reference(run, [rank["runs"][index] for rank in trained], global_batch=global_batch)
 
 
-def test_ring_shards_are_zigzag_and_heads_split_over_ulysses_only(trained):
+def test_ring_shards_are_cut_for_every_rank_and_no_rank_attends_the_whole_sequence(trained):
     run = trained[0]["runs"][list(RUNS).index("2x2-zero2-mha")]
     assert set(run["input_shapes"]) == {(1, SEQ_LEN // 4)}
-    # Ulysses 2: 2 of 4 heads per rank; each ring query chunk (S/4 tokens) attends over keys up to its position
-    assert {shape[1] for shape in run["attention_query_shapes"]} == {2}
-    assert {shape[2] for shape in run["attention_query_shapes"]} == {SEQ_LEN // 4}
+    assert run["attention_query_shapes"] == []  # the ring kernel attends block by block, never full-length SDPA
 
 
 @pytest.mark.parametrize("layers", LAYERS)
 def test_collectives_per_attention_layer_at_2x2(launched, layers):
-    """Per layer: the Ulysses all-to-alls (q/k/v packed, output) and one all-to-all gathering K/V over the ring, in
-    forward and again in backward; one all-reduce per step for the loss."""
+    """Per layer at 2x2: the two Ulysses all-to-alls (q/k/v packed, output) in forward and in backward, and the ring's
+    point-to-point passes of K/V blocks: R - 1 = 1 in forward, R = 2 in backward (the blocks travel with their
+    gradients back to their owners); one all-reduce per step for the loss."""
     counts = [rank["collectives"][layers] for rank in launched]
     assert all(c == counts[0] for c in counts)
-    assert counts[0]["forward"] == {"alltoall_base_": 3 * layers, "allreduce_": 1}
-    assert counts[0]["backward"]["alltoall_base_"] == 3 * layers
+    assert counts[0]["forward"] == {"alltoall_base_": 2 * layers, "allreduce_": 1, "ring_passes": 1 * layers}
+    assert counts[0]["backward"]["alltoall_base_"] == 2 * layers
+    assert counts[0]["backward"]["ring_passes"] == 2 * layers
 
 
 def test_right_padding_validation_and_predictions_with_ring(launched):
