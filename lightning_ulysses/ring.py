@@ -93,10 +93,21 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) ->
     return mask
 
 
+def _sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, c: int, window: Optional[int]):
+    """The (query half, key half, mask or None) pairs of a ``[2c, 2c]`` block that have anything to attend to; the
+    mask is ``None`` where every entry is allowed. With the zigzag layout about half of the sub-blocks are empty."""
+    for qh in (0, 1):
+        for kh in (0, 1):
+            mask = _allowed(q_pos[qh * c:(qh + 1) * c], k_pos[kh * c:(kh + 1) * c], window)
+            if mask.any():
+                yield slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c), None if mask.all() else mask
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention with point-to-point passing of K/V blocks and an exact log-sum-exp merge; the backward pass
     recomputes each block's probabilities from the saved log-sum-exp and passes the blocks' key/value gradients
-    around the ring with them, so each returns to its owner after a full round.
+    around the ring with them, so each returns to its owner after a full round. Sub-blocks with nothing to attend
+    to (the zigzag layout makes about half of them) are skipped.
 
     Shapes: ``q [B, hq, L, D]``, ``k/v [B, hkv, L, D]`` (this ring rank's zigzag tokens), output ``[B, hq, L, D]``.
     """
@@ -117,25 +128,28 @@ class _RingAttention(torch.autograd.Function):
         block_k, block_v = k, v
         for step in range(R):
             owner = (i - step) % R  # whose tokens this K/V block holds
-            if step + 1 < R:  # start nothing asynchronous: blocks are small next to the compute on CPU/gloo
+            if step + 1 < R:
                 next_k, next_v = _pass_around([block_k, block_v], group)
             kx = block_k.repeat_interleave(groups, dim=1).to(acc_dtype)  # [B, hq, L, D]
             vx = block_v.repeat_interleave(groups, dim=1).to(acc_dtype)
-            scores = (qf @ kx.transpose(-1, -2)) * scale  # [B, hq, L, L]
-            mask = _allowed(q_pos, _zigzag_positions(owner, R, c, q.device), window)
-            scores = scores.masked_fill(~mask, float("-inf"))
-            new_max = torch.maximum(running_max, scores.amax(-1))
-            safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-            probs = torch.exp(scores - safe_max[..., None])  # masked entries: exp(-inf) = 0
-            correction = torch.exp(torch.where(torch.isinf(running_max), torch.full_like(running_max, float("-inf")),
-                                               running_max - safe_max))
-            running_sum = running_sum * correction + probs.sum(-1)
-            acc = acc * correction[..., None] + probs @ vx
-            running_max = new_max
+            for qs, ks, mask in _sub_blocks(q_pos, _zigzag_positions(owner, R, c, q.device), c, window):
+                scores = (qf[:, :, qs] @ kx[:, :, ks].transpose(-1, -2)) * scale  # [B, hq, c, c]
+                if mask is not None:
+                    scores = scores.masked_fill(~mask, float("-inf"))
+                old_max = running_max[:, :, qs]
+                new_max = torch.maximum(old_max, scores.amax(-1))
+                safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+                probs = torch.exp(scores - safe_max[..., None])  # masked entries: exp(-inf) = 0
+                correction = torch.where(torch.isinf(old_max), torch.zeros_like(old_max),
+                                         torch.exp(old_max - safe_max))
+                running_sum[:, :, qs] = running_sum[:, :, qs] * correction + probs.sum(-1)
+                acc[:, :, qs] = acc[:, :, qs] * correction[..., None] + probs @ vx[:, :, ks]
+                running_max[:, :, qs] = new_max
             if step + 1 < R:
                 block_k, block_v = next_k, next_v
-        out = acc / running_sum.clamp(min=torch.finfo(acc_dtype).tiny)[..., None]
-        lse = running_max + torch.log(running_sum.clamp(min=torch.finfo(acc_dtype).tiny))  # [B, hq, L]
+        tiny = torch.finfo(acc_dtype).tiny
+        out = acc / running_sum.clamp(min=tiny)[..., None]
+        lse = running_max + torch.log(running_sum.clamp(min=tiny))  # [B, hq, L]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.window, ctx.scale = group, window, scale
         return out.to(q.dtype)
@@ -160,14 +174,16 @@ class _RingAttention(torch.autograd.Function):
             block_k, block_v, block_dk, block_dv = block
             kx = block_k.repeat_interleave(groups, dim=1).to(acc_dtype)
             vx = block_v.repeat_interleave(groups, dim=1).to(acc_dtype)
-            scores = (qf @ kx.transpose(-1, -2)) * scale
-            mask = _allowed(q_pos, _zigzag_positions(owner, R, c, q.device), window)
-            probs = torch.exp(scores - lse[..., None]).masked_fill(~mask, 0.0)  # [B, hq, L, L]
-            dv_x = probs.transpose(-1, -2) @ dout  # [B, hq, L, D]
-            dprobs = dout @ vx.transpose(-1, -2)
-            dscores = probs * (dprobs - delta[..., None])
-            dq += (dscores @ kx) * scale
-            dk_x = (dscores.transpose(-1, -2) @ qf) * scale
+            dk_x, dv_x = torch.zeros_like(kx), torch.zeros_like(vx)  # [B, hq, L, D]
+            for qs, ks, mask in _sub_blocks(q_pos, _zigzag_positions(owner, R, c, q.device), c, window):
+                scores = (qf[:, :, qs] @ kx[:, :, ks].transpose(-1, -2)) * scale
+                probs = torch.exp(scores - lse[:, :, qs, None])  # [B, hq, c, c]
+                if mask is not None:
+                    probs = probs.masked_fill(~mask, 0.0)
+                dv_x[:, :, ks] += probs.transpose(-1, -2) @ dout[:, :, qs]
+                dscores = probs * (dout[:, :, qs] @ vx[:, :, ks].transpose(-1, -2) - delta[:, :, qs, None])
+                dq[:, :, qs] += (dscores @ kx[:, :, ks]) * scale
+                dk_x[:, :, ks] += (dscores.transpose(-1, -2) @ qf[:, :, qs]) * scale
             block_dk = block_dk + dk_x.view(B, hkv, groups, L, D).sum(2)
             block_dv = block_dv + dv_x.view(B, hkv, groups, L, D).sum(2)
             # pass the block on with its gradients; after R passes each block is back with its owner
