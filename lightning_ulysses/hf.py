@@ -271,12 +271,13 @@ def _refuse_router_aux_loss(model: nn.Module, args: tuple, kwargs: dict) -> None
     """``model(..., output_router_logits=True)`` asks for the MoE load-balancing loss in this call, which
     transformers would compute from this rank's tokens only (the config-level switch is refused before compute)."""
     coefficient = getattr(model.config, "router_aux_loss_coef", 1.0)
-    if kwargs.get("output_router_logits") and coefficient and torch.is_grad_enabled():
+    with_loss = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+    if kwargs.get("output_router_logits") and coefficient and with_loss:
         raise ValueError(
             f"{type(model).__name__} was called with output_router_logits=True: transformers computes the MoE"
             " load-balancing loss from the router statistics of this rank's tokens only, so under sequence"
-            " parallelism its value and gradients differ from the whole batch's. Leave output_router_logits off"
-            " for training under SP."
+            " parallelism the loss value and gradients differ from the whole batch's. Leave output_router_logits"
+            " off when passing labels under SP."
         )
 
 
