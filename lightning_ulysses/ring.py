@@ -68,13 +68,20 @@ def _ring_peers(group: dist.ProcessGroup) -> tuple[int, int]:
     return dist.get_global_rank(group, (i + 1) % R), dist.get_global_rank(group, (i - 1) % R)
 
 
-def _pass_around(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Send ``tensors`` to the next ring rank and receive the previous rank's (point-to-point, both at once)."""
+def _start_pass(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[Any], list[torch.Tensor]]:
+    """Start sending ``tensors`` to the next ring rank and receiving the previous rank's; returns the requests (wait
+    on them before reading the received tensors) and the receive buffers."""
     nxt, prev = _ring_peers(group)
     received = [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prev, group) for r in received]
-    for request in dist.batch_isend_irecv(ops):
+    return dist.batch_isend_irecv(ops), received
+
+
+def _pass_around(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Send ``tensors`` to the next ring rank and receive the previous rank's (point-to-point, both at once)."""
+    requests, received = _start_pass(tensors, group)
+    for request in requests:
         request.wait()
     return received
 
@@ -128,8 +135,8 @@ class _RingAttention(torch.autograd.Function):
         block_k, block_v = k, v
         for step in range(R):
             owner = (i - step) % R  # whose tokens this K/V block holds
-            if step + 1 < R:
-                next_k, next_v = _pass_around([block_k, block_v], group)
+            if step + 1 < R:  # the next block travels while this one is computed
+                requests, (next_k, next_v) = _start_pass([block_k, block_v], group)
             kx = block_k.repeat_interleave(groups, dim=1).to(acc_dtype)  # [B, hq, L, D]
             vx = block_v.repeat_interleave(groups, dim=1).to(acc_dtype)
             for qs, ks, mask in _sub_blocks(q_pos, _zigzag_positions(owner, R, c, q.device), c, window):
@@ -146,6 +153,8 @@ class _RingAttention(torch.autograd.Function):
                 acc[:, :, qs] = acc[:, :, qs] * correction[..., None] + probs @ vx[:, :, ks]
                 running_max[:, :, qs] = new_max
             if step + 1 < R:
+                for request in requests:
+                    request.wait()
                 block_k, block_v = next_k, next_v
         tiny = torch.finfo(acc_dtype).tiny
         out = acc / running_sum.clamp(min=tiny)[..., None]

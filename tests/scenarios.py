@@ -177,16 +177,16 @@ RING_PASSES = {"n": 0}  # point-to-point passes of K/V blocks around the ring (c
 def _count_ring_passes() -> None:
     from lightning_ulysses import ring
 
-    if getattr(ring._pass_around, "_counted", False):
+    if getattr(ring._start_pass, "_counted", False):
         return
-    original = ring._pass_around
+    original = ring._start_pass
 
     def counted(tensors, group):
         RING_PASSES["n"] += 1
         return original(tensors, group)
 
     counted._counted = True
-    ring._pass_around = counted
+    ring._start_pass = counted
 
 
 def collectives(payload: dict) -> dict:
