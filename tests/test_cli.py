@@ -71,10 +71,13 @@ def test_flags_build_the_strategy_with_the_given_args(cli_module, restore_enviro
         f"--trainer.strategy={strategy_flag}", "--trainer.strategy.sp_size=2", "--trainer.strategy.stage=3",
         "--trainer.strategy.offload_optimizer=true", "--trainer.strategy.sdpa_per_document=true",
         "--trainer.strategy.tiled_mlp=auto", "--trainer.strategy.tiled_loss=8",
+        "--trainer.strategy.ring_size=2", "--trainer.strategy.check_sp_agreement=false",
+        "--trainer.strategy.verify_checkpoints=false",
         "--trainer.accelerator=cpu", "--trainer.devices=2",
     ])
     assert type(strategy) is UlyssesDeepSpeedStrategy
     assert strategy.sp_size == 2 and strategy.sdpa_per_document is True
+    assert strategy.ring_size == 2 and strategy.check_sp_agreement is False and strategy.verify_checkpoints is False
     assert (strategy.memory_features.tiled_mlp, strategy.memory_features.tiled_loss) == ("auto", 8)
     assert strategy.config["zero_optimization"]["stage"] == 3
     assert strategy.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
