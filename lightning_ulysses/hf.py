@@ -8,6 +8,7 @@ all of it, so a model is plain again after ``trainer.fit`` and two Trainers can 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -17,7 +18,7 @@ from torch import nn
 from lightning_ulysses.context import ShardInfo, StepContext
 from lightning_ulysses.exchange import head_to_sequence_shards, sequence_to_head_shards
 from lightning_ulysses.loss import SequenceParallelLossFunction
-from lightning_ulysses.ring import ring_attention
+from lightning_ulysses.ring import causal_window_mask, ring_attention
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 _PREFIX = "ulysses_"
@@ -193,10 +194,16 @@ _KNOWN_UNSHARDABLE = {"doge": "passes a learned per-key bias (its dynamic mask) 
 
 
 def _forward_source(module: nn.Module) -> Optional[str]:
+    return _class_forward_source(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_forward_source(cls: type) -> Optional[str]:
+    """The source of ``cls.forward``, read once per class (models hold one attention class per layer)."""
     import inspect
 
     try:
-        return inspect.getsource(type(module).forward)
+        return inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return None
 
@@ -420,9 +427,8 @@ def _sdpa_causal(inner: Callable, module: Any, q: torch.Tensor, k: torch.Tensor,
     for start in range(0, L, window):
         end = min(start + window, L)
         first_key = max(0, start - window + 1)
-        query_pos = torch.arange(start, end, device=q.device)[:, None]  # [lq, 1]
-        key_pos = torch.arange(first_key, end, device=q.device)[None, :]  # [1, lk]
-        mask = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [lq, lk], True = attend
+        mask = causal_window_mask(torch.arange(start, end, device=q.device),
+                                  torch.arange(first_key, end, device=q.device), window)  # [lq, lk], True = attend
         pieces.append(inner(module, q[:, :, start:end], k[:, :, first_key:end], v[:, :, first_key:end],
                             mask[None, None], **kwargs)[0])  # [B, lq, hq, D]
     return torch.cat(pieces, dim=1)
@@ -491,7 +497,7 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         if context.ring_group is not None:  # hybrid: q holds this ring rank's S/R tokens, attend over all S
             if shard is not None and shard.packed:
                 raise ValueError(ring_packed_documents_error())
-            out = ring_attention(inner, view, q, k, v, context.ring_group, window, kwargs)  # [B, S/R, hq, D]
+            out = ring_attention(view, q, k, v, context.ring_group, window, kwargs)  # [B, S/R, hq, D]
         elif shard is not None and shard.packed:
             if not keeps_documents_apart(inner_name, context.sdpa_per_document):
                 raise ValueError(packed_documents_error(inner_name))

@@ -18,9 +18,6 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-_CHUNK = 8 * 2**20
-
-
 def file_digest(path: Path) -> str:
     """SHA-256 of a file's bytes (hex)."""
     with open(path, "rb") as f:
@@ -88,10 +85,11 @@ def restricted_torch_load() -> Iterator[None]:
     """Every ``torch.load`` inside runs with ``weights_only=True`` and the allow-list above (also where a library
     asks for ``weights_only=False``). A file needing any other class raises ``pickle.UnpicklingError`` naming it."""
     original = torch.load
+    allowed = _allowed_globals()
 
     def load(*args: Any, **kwargs: Any) -> Any:
         kwargs["weights_only"] = True
-        with torch.serialization.safe_globals(_allowed_globals()):
+        with torch.serialization.safe_globals(allowed):
             return original(*args, **kwargs)
 
     torch.load = load

@@ -18,17 +18,15 @@ with their key/value gradients (``R`` passes), so every block's gradient ends wi
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_ulysses.exchange import all_to_all
-
 
 def padded_length(seq_len: int, ring_size: int, ulysses_size: int) -> int:
-    """``S`` padded so that it splits into ``2·ring_size`` chunks, each cut evenly by ``ulysses_size``... i.e. a
-    multiple of ``2 × ring_size × ulysses_size`` (with ``ring_size = 1``: of ``ulysses_size``)."""
+    """``S`` padded to a multiple of ``2 × ring_size × ulysses_size`` (``2·ring_size`` chunks, each cut evenly by
+    ``ulysses_size``); with ``ring_size = 1`` to a multiple of ``ulysses_size``."""
     unit = ulysses_size * (2 * ring_size if ring_size > 1 else 1)
     return -(-seq_len // unit) * unit
 
@@ -50,16 +48,6 @@ def full_order(padded_len: int, ring_size: int, ulysses_size: int) -> torch.Tens
     (to put gathered shards back in sequence order: ``full[:, order] = gathered``)."""
     return torch.cat([shard_index(padded_len, ring_size, ulysses_size, r, u)
                       for r in range(ring_size) for u in range(ulysses_size)])
-
-
-def gather_ring(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Differentiable all-gather along dim 0 over ``group``: ``[n, ...] -> [R·n, ...]`` (rank-major). Its backward
-    sums the gradients of every rank's copy back to the owner (an all-to-all of the gradient blocks, then the sum
-    over the copies)."""
-    R = dist.get_world_size(group)
-    n = x.shape[0]
-    copies = x.unsqueeze(0).expand(R, *x.shape).reshape(R * n, *x.shape[1:])  # [R·n, ...]: one copy per rank
-    return all_to_all(copies, [n] * R, [n] * R, group)  # [R·n, ...]: block j from rank j
 
 
 def _ring_peers(group: dist.ProcessGroup) -> tuple[int, int]:
@@ -92,7 +80,7 @@ def _zigzag_positions(rank: int, R: int, c: int, device: torch.device) -> torch.
                       torch.arange((2 * R - 1 - rank) * c, (2 * R - rank) * c, device=device)])
 
 
-def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+def causal_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
     """``[Lq, Lk]`` causal (and sliding-window) mask on global positions, True = attend."""
     mask = k_pos[None, :] <= q_pos[:, None]
     if window:
@@ -105,9 +93,14 @@ def _sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, c: int, window: Option
     mask is ``None`` where every entry is allowed. With the zigzag layout about half of the sub-blocks are empty."""
     for qh in (0, 1):
         for kh in (0, 1):
-            mask = _allowed(q_pos[qh * c:(qh + 1) * c], k_pos[kh * c:(kh + 1) * c], window)
+            mask = causal_window_mask(q_pos[qh * c:(qh + 1) * c], k_pos[kh * c:(kh + 1) * c], window)
             if mask.any():
                 yield slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c), None if mask.all() else mask
+
+
+def _expand_heads(block: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, hkv, L, D] -> [B, hkv·groups, L, D]`` in ``dtype``: each KV head repeated for its query heads."""
+    return block.repeat_interleave(groups, dim=1).to(dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -137,8 +130,7 @@ class _RingAttention(torch.autograd.Function):
             owner = (i - step) % R  # whose tokens this K/V block holds
             if step + 1 < R:  # the next block travels while this one is computed
                 requests, (next_k, next_v) = _start_pass([block_k, block_v], group)
-            kx = block_k.repeat_interleave(groups, dim=1).to(acc_dtype)  # [B, hq, L, D]
-            vx = block_v.repeat_interleave(groups, dim=1).to(acc_dtype)
+            kx, vx = _expand_heads(block_k, groups, acc_dtype), _expand_heads(block_v, groups, acc_dtype)  # [B,hq,L,D]
             for qs, ks, mask in _sub_blocks(q_pos, _zigzag_positions(owner, R, c, q.device), c, window):
                 scores = (qf[:, :, qs] @ kx[:, :, ks].transpose(-1, -2)) * scale  # [B, hq, c, c]
                 if mask is not None:
@@ -181,8 +173,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(R):
             owner = (i - step) % R
             block_k, block_v, block_dk, block_dv = block
-            kx = block_k.repeat_interleave(groups, dim=1).to(acc_dtype)
-            vx = block_v.repeat_interleave(groups, dim=1).to(acc_dtype)
+            kx, vx = _expand_heads(block_k, groups, acc_dtype), _expand_heads(block_v, groups, acc_dtype)
             dk_x, dv_x = torch.zeros_like(kx), torch.zeros_like(vx)  # [B, hq, L, D]
             for qs, ks, mask in _sub_blocks(q_pos, _zigzag_positions(owner, R, c, q.device), c, window):
                 scores = (qf[:, :, qs] @ kx[:, :, ks].transpose(-1, -2)) * scale
@@ -200,12 +191,12 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None, None
 
 
-def ring_attention(inner: Callable[..., Any], module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   group: dist.ProcessGroup, window: Optional[int], kwargs: dict[str, Any]) -> torch.Tensor:
+def ring_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                   window: Optional[int], kwargs: dict[str, Any]) -> torch.Tensor:
     """Causal attention of this ring rank's queries over the whole sequence, K/V blocks passed around the ring.
 
     Args:
-        inner: transformers' attention function (unused by the ring kernel; kept for the caller's interface).
+        module: the attention module (its ``training`` flag decides whether dropout would apply).
         q: ``[B, hq, L, D]``, k/v: ``[B, hkv, L, D]``: this ring rank's ``L = 2c`` tokens (chunk ``i`` then chunk
             ``2R-1-i``) for its heads, after the Ulysses exchange.
         group: the ring group (rank ``i`` of it is ring rank ``i``).

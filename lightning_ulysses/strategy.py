@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Generator, Optional, Sequence, Union
 
 import torch
@@ -100,8 +100,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             whose bytes changed is refused. ``False`` skips the hashing on both sides (sizes are still checked).
         ring_size: Hybrid Ulysses × ring sequence parallelism (USP): the SP group is ``ring_size`` ring groups of
             ``sp_size / ring_size`` Ulysses ranks (consecutive ranks, so a Ulysses group stays inside a node).
-            Attention exchanges heads over the Ulysses ranks, then attends across the ring groups (keys/values
-            gathered over the ring, load-balanced zigzag sequence layout). Lifts the head limit: only
+            Attention exchanges heads over the Ulysses ranks, then attends across the ring groups (key/value blocks
+            passed around the ring point to point, load-balanced zigzag sequence layout). Lifts the head limit: only
             ``sp_size / ring_size`` must fit the heads. 1 (default): Ulysses only. Needs ``sdpa``; one document
             per row.
         **kwargs: Every argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` (``stage``,
@@ -127,9 +127,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         super().__init__(**kwargs)
         if sp_size is not None:
             validate_sp_size(sp_size, sp_size)  # type and sign; the world size is checked once it is known
-            validate_ring_size(ring_size, sp_size)
-        elif not isinstance(ring_size, int) or isinstance(ring_size, bool) or ring_size < 1:
-            validate_ring_size(ring_size, 1)
+        validate_ring_size(ring_size, sp_size if sp_size is not None else ring_size)  # divisibility once known
         self.ring_size = ring_size
         self._requested_sp_size = sp_size
         self.sdpa_per_document = sdpa_per_document
@@ -519,8 +517,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _check_sampler(self, dataloader: Any) -> None:
         """All ranks of an SP group must read the same samples: refuse a DistributedSampler split over the world."""
-        if getattr(dataloader, "batch_size", 0) is None and getattr(dataloader, "batch_sampler", 0) is None:
-            raise ValueError(automatic_batching_off_error())
         sampler = getattr(dataloader, "sampler", None)
         batch_sampler = getattr(dataloader, "batch_sampler", None)
         for candidate in (sampler, getattr(batch_sampler, "sampler", None)):
@@ -584,7 +580,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         assert isinstance(self.config, dict)
         record = {
             "world_size": self.world_size, "sp_size": self.sp_size, "dp_size": self.dp_size,
-            "zero_stage": int(self.config.get("zero_optimization", {}).get("stage", 0)),
+            "zero_stage": self._zero_stage,
             "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
         }
         if self.is_global_zero:
@@ -601,24 +597,34 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             _checkpoint.commit_checkpoint(filepath, record, digests)
         self.barrier("ulysses_checkpoint_commit")
 
+    @property
+    def _zero_stage(self) -> int:
+        assert isinstance(self.config, dict)
+        return int(self.config.get("zero_optimization", {}).get("stage", 0))
+
+    def _over_shares(self, names: list[str], work: Any) -> list[Any]:
+        """``work(my share of names)`` on every rank in parallel (rank ``r`` takes every world-size-th name);
+        the results of all ranks, on every rank."""
+        mine = work(integrity.share_of(names, self.global_rank, self.world_size))
+        everyone: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(everyone, mine)
+        return everyone
+
     def _hash_checkpoint_files(self, filepath: Any) -> dict[str, str]:
         """SHA-256 of every file of the checkpoint, each rank hashing its share in parallel; the union on every rank."""
         names = self.broadcast(_checkpoint.checkpoint_files(filepath) if self.is_global_zero else None)
-        mine = integrity.digests(Path(filepath), integrity.share_of(names, self.global_rank, self.world_size))
-        everyone: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(everyone, mine)
-        return {name: digest for part in everyone for name, digest in part.items()}
+        parts = self._over_shares(names, lambda share: integrity.digests(Path(filepath), share))
+        return {name: digest for part in parts for name, digest in part.items()}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if os.path.isdir(checkpoint_path):
             # Incomplete or corrupt checkpoints, other world sizes and (when resuming) other ZeRO stages fail here,
             # before DeepSpeed reads anything.
-            assert isinstance(self.config, dict)
-            stage = int(self.config.get("zero_optimization", {}).get("stage", 0))
             trainer = getattr(self.lightning_module, "_trainer", None)
             resuming = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-            marker = _checkpoint.validate_for_loading(checkpoint_path, self.world_size, stage if resuming else None)
+            marker = _checkpoint.validate_for_loading(checkpoint_path, self.world_size,
+                                                      self._zero_stage if resuming else None)
             if marker is not None and self.verify_checkpoints:
                 self._verify_checkpoint_digests(checkpoint_path)
         with _checkpoint.zero3_inference_loading(self.deepspeed_engine if self.zero_stage_3 else None):
@@ -627,10 +633,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def _verify_checkpoint_digests(self, checkpoint_path: Any) -> None:
         """Every rank re-hashes its share of the files; any mismatch raises on every rank."""
         files = sorted((_checkpoint.read_marker(checkpoint_path) or {}).get("files", {}))
-        mine = _checkpoint.verify_digests(checkpoint_path, integrity.share_of(files, self.global_rank, self.world_size))
-        everyone: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(everyone, mine)
-        wrong = [name for part in everyone for name in part]
+        parts = self._over_shares(files, lambda share: _checkpoint.verify_digests(checkpoint_path, share))
+        wrong = [name for part in parts for name in part]
         if wrong:
             raise ValueError(f"Cannot resume from this checkpoint: {_checkpoint.digest_mismatch_error(checkpoint_path, wrong)}")
 

@@ -17,8 +17,6 @@ class Module:
 
 
 def ring_alone(payload: dict) -> dict:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     from lightning_ulysses.ring import ring_attention, shard_index
 
     dist.init_process_group("gloo")
@@ -44,7 +42,7 @@ def ring_alone(payload: dict) -> dict:
         ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
         module = Module()
         module.num_key_value_groups = Hq // Hkv
-        out = ring_attention(sdpa_attention_forward, module, ql, kl, vl, dist.group.WORLD, window, {})  # [B, L, Hq, D]
+        out = ring_attention(module, ql, kl, vl, dist.group.WORLD, window, {})  # [B, L, Hq, D]
         (out * grad_out[:, idx]).sum().backward()
         # the keys' gradients: every rank's queries contribute to every key; sum the ranks' local key gradients
         # at their positions is what the gather's adjoint already did, so compare directly

@@ -105,14 +105,6 @@ def test_the_check_can_be_turned_off(results):
         assert r["fingerprints"] == [None] * 4  # not even computed
 
 
-def test_unbatched_loader_is_a_clear_error(results):
-    _assert_stopped(results["unbatched"], "ValueError", "batch_size=None", "batch_size=1")
-
-
-def test_a_4d_mask_from_the_collate_fn_is_refused_before_compute(results):
-    _assert_stopped(results["mask_4d"], "ValueError", "`attention_mask` is 4-D", "position_ids` that restart at 0")
-
-
 def test_deepspeed_tutorial_loss_code_trains_wrong_with_a_right_looking_loss(results):
     """The README's warning, pinned: the value is the model's loss, the gradients are not the single-device ones."""
     pasted, plain = results["tutorial_loss"], results["baseline"]
@@ -125,17 +117,20 @@ def test_deepspeed_tutorial_loss_code_trains_wrong_with_a_right_looking_loss(res
     assert worst > 1e-4, worst  # but it trained other weights
 
 
-def test_sp_with_no_attention_to_switch_is_an_error_before_compute(results):
-    _assert_stopped(results["no_attention"], "ValueError", "found no Hugging Face PreTrainedModel and no attention"
-                    " core", "attention_modules=[...]", "sp_size=1")
+# Setups refused before compute with a ValueError naming what to change: (case, phrases of the message).
+REFUSALS = {
+    "unbatched": ("batch_size=None", "batch_size=1"),
+    "mask_4d": ("`attention_mask` is 4-D", "position_ids` that restart at 0"),  # from the user's collate_fn
+    "no_attention": ("found no Hugging Face PreTrainedModel and no attention core", "attention_modules=[...]",
+                     "sp_size=1"),
+    "dataloader_iter": ("`dataloader_iter`", "Take `batch`"),  # a step that pulls batches itself
+    "ring_packed": ("Packed documents", "ring_size > 1"),
+}
 
 
-def test_a_step_that_pulls_batches_itself_is_refused(results):
-    _assert_stopped(results["dataloader_iter"], "ValueError", "`dataloader_iter`", "Take `batch`")
-
-
-def test_packed_documents_with_ring_are_refused_before_compute(results):
-    _assert_stopped(results["ring_packed"], "ValueError", "Packed documents", "ring_size > 1")
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_unsupported_setups_are_refused_before_compute(results, name):
+    _assert_stopped(results[name], "ValueError", *REFUSALS[name])
 
 
 def test_hook_that_rebuilds_the_batch_keeps_exact_accumulation(results):
