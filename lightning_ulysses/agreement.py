@@ -41,6 +41,62 @@ class SPPeerMismatchError(RuntimeError):
     """The ranks of an SP group do not hold the same full batch (or not the same number of batches)."""
 
 
+class SPLossMismatchError(RuntimeError):
+    """The loss a training step back-propagates is not the same function on every rank of an SP group."""
+
+
+_NAN = -1.2345e300  # stands for NaN in the loss comparison (NaN on every rank is the same loss, not a mismatch)
+
+
+def _comparable(value: float) -> float:
+    return _NAN if value != value else value
+
+
+_STEP_REPLACEMENT = (
+    "    out = self.model(**batch)                 # or self.model(input_ids=batch[\"input_ids\"])\n"
+    "    loss = out.loss                           # or self.trainer.strategy.cross_entropy(out.logits,"
+    " batch[\"shift_labels\"])"
+)
+
+
+def loss_mismatch_message(ranks: list[int], where: str, low: float, high: float) -> str:
+    return (
+        f"UlyssesDeepSpeedStrategy: the loss of the {where} differs between the ranks {ranks} of one"
+        f" sequence-parallel group (from {_show(low)} to {_show(high)}); no weight was changed. Each rank holds a"
+        " slice of every sequence, so a loss computed from this rank's tokens alone is a different function on every"
+        " rank and would train the wrong weights. Likely code: (1) `F.cross_entropy(...)` on the shard's logits (a"
+        " mean over this rank's tokens), also with your own shift (`logits[:, :-1]` against `input_ids[:, 1:]`,"
+        " which also drops the target at every shard boundary); (2) an extra term on shard tensors, e.g."
+        " `0.01 * logits.pow(2).mean()`; (3) losses combined by hand across ranks. Fix: take means over the whole"
+        " sequence with the strategy's losses, which are the same number on every rank:\n" + _STEP_REPLACEMENT +
+        "\nPer-token values or weights: `self.trainer.strategy.token_mean(values, weights)`,"
+        " `self.trainer.strategy.cross_entropy(logits, batch[\"shift_labels\"], weight=w)`. Terms that are the same"
+        " on every rank (a weight regulariser) can be added as they are. The check runs before every optimizer step;"
+        " `UlyssesDeepSpeedStrategy(check_sp_agreement=False)` turns it off."
+    )
+
+
+def gradient_mismatch_message(ranks: list[int], where: str, low: list[float], high: list[float]) -> str:
+    """``low``/``high``: the group's min/max of (number of SP losses back-propagated, sum of their gradients, ...)."""
+    if low[0] != high[0]:
+        detail = f"the strategy's SP losses were back-propagated {int(low[0])} to {int(high[0])} times per rank"
+    else:
+        detail = f"the gradients reaching them sum to {_show(low[1])} .. {_show(high[1])} across the ranks"
+    return (
+        f"UlyssesDeepSpeedStrategy: the loss of the {where} is the same number on the ranks {ranks} of one"
+        f" sequence-parallel group, but not the same function of the strategy's SP losses: {detail}; no weight was"
+        " changed. This is what combining per-rank losses with rank-dependent weights does, e.g. the loss code of"
+        " DeepSpeed's / accelerate's Ulysses tutorial (a differentiable all-gather of every rank's loss, weighted by"
+        " its token count). The strategy's losses (`self.model(**batch).loss`, `strategy.cross_entropy`,"
+        " `strategy.token_mean`) already are the whole batch's token mean with exact gradients: return them as they"
+        " are (scaling or adding terms that are the same on every rank is fine):\n" + _STEP_REPLACEMENT
+    )
+
+
+def _show(value: float) -> str:
+    return "nan" if value == _NAN else f"{value:.9g}"
+
+
 class SPAgreement:
     """Compares the batch every rank of an SP group is about to train on (one all-reduce of 6 int64 per step).
 
@@ -64,6 +120,23 @@ class SPAgreement:
         high, low = both[:3].tolist(), [-v for v in both[3:].tolist()]
         if high != low:
             raise SPPeerMismatchError(self._message(where, high, low))
+
+    def verify_loss(self, value: torch.Tensor, incoming: list[torch.Tensor], where: str) -> None:
+        """Raise :class:`SPLossMismatchError` on every rank of the group unless the loss a step back-propagated is the
+        same number on every rank, and so is the gradient that reached each of the strategy's SP losses (one all-reduce
+        of 8 float64 per backward pass)."""
+        gradients = [float(g.double().sum()) for g in incoming]
+        loss = float(value.detach().double().sum()) if value.numel() == 1 else float("nan")
+        values = torch.tensor([_comparable(loss), float(len(gradients)), sum(gradients),
+                               sum((i + 1) * g for i, g in enumerate(gradients))], dtype=torch.float64)
+        values = torch.nan_to_num(values, nan=_NAN)
+        both = torch.cat([values, -values]).to(self.device)  # [8]: MAX over the group gives max and -min of each
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        high, low = both[:4].tolist(), [-v for v in both[4:].tolist()]
+        if high[0] != low[0]:
+            raise SPLossMismatchError(loss_mismatch_message(self.group_ranks, where, low[0], high[0]))
+        if high[1:] != low[1:]:
+            raise SPLossMismatchError(gradient_mismatch_message(self.group_ranks, where, low[1:], high[1:]))
 
     def verify_end_of_data(self, where: str) -> None:
         """Called when this rank's loader is exhausted; fails if a peer still has a batch."""

@@ -8,7 +8,7 @@ Nothing of it reaches the user's hooks or ``model(**batch)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -30,9 +30,19 @@ class ShardInfo:
         batch_size: rows ``B`` of the full batch.
         fingerprint: digest of the full batch (:func:`lightning_ulysses.agreement.batch_fingerprint`), compared
             between SP peers before the step; ``None`` when the check is off.
+        position_ids: ``[B, s]`` global positions of this rank's shard (what a model call without ``position_ids``
+            gets).
+        attention_mask: ``[B, s]`` this rank's shard of the batch's padding mask (checked: right padding), or
+            ``None`` when the batch had none.
+        target_valid: ``[B, s]`` bool: whether the token after each position is a target of it (not padding, not the
+            start of another packed document, not past the end of the row); shifting labels inside a step uses it.
+        global_index: ``[s]`` positions in the padded row that this rank holds (contiguous, or zigzag with ring).
+        padded_len: the row length after padding to the SP layout's multiple.
+        halo: where the token after each run of this shard lives (:class:`lightning_ulysses.data.HaloPlan`).
     """
 
-    __slots__ = ("seq_len", "cu_seqlens", "max_seqlen", "window_tokens", "batch_size", "fingerprint")
+    __slots__ = ("seq_len", "cu_seqlens", "max_seqlen", "window_tokens", "batch_size", "fingerprint",
+                 "position_ids", "attention_mask", "target_valid", "global_index", "padded_len", "halo")
 
     def __init__(self, seq_len: int, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
                  window_tokens: Optional[torch.Tensor] = None, batch_size: int = 1,
@@ -43,6 +53,17 @@ class ShardInfo:
         self.window_tokens = window_tokens
         self.batch_size = batch_size
         self.fingerprint = fingerprint
+        self.position_ids: Optional[torch.Tensor] = None
+        self.attention_mask: Optional[torch.Tensor] = None
+        self.target_valid: Optional[torch.Tensor] = None
+        self.global_index: Optional[torch.Tensor] = None
+        self.padded_len = seq_len
+        self.halo = None
+
+    @property
+    def shard_shape(self) -> Optional[tuple[int, int]]:
+        """``(B, s)`` of this rank's shard (``None`` if unknown)."""
+        return None if self.position_ids is None else (int(self.position_ids.shape[0]), int(self.position_ids.shape[1]))
 
     @property
     def packed(self) -> bool:
@@ -75,6 +96,17 @@ class StepContext:
         tile_shard_len: the step's longest shard over all ranks, set when tile counts follow the shard length
             (``tiled_mlp``/``tiled_loss="auto"``) under ZeRO-3 with several replicas: every rank then runs the same
             number of tiles, so ZeRO-3 issues the same parameter gathers everywhere. ``None``: the local length.
+        loss_scale: factor on the gradient of the whole loss a training step back-propagates (see
+            :func:`lightning_ulysses.loss.whole_loss_gradient_factor`): terms that are the same on every rank are then
+            exact, and the SP losses are scaled to match.
+        incoming_gradients: the gradients that reached the SP losses of the current backward pass (one per loss
+            call), compared between SP peers before the optimizer step.
+        in_step: a training/validation/test/predict step (or :meth:`evaluate_full_batch`) is running, so model calls
+            get the step's shard facts.
+        plain: the prepared models run as plain, unsharded models (generation): no exchange, no call completion.
+        step_batch_tensors: the step batch's own ``position_ids`` / ``attention_mask`` tensors (a model call given
+            exactly these needs no check).
+        device_positions: the current shard's positions on the model's device, ``{(id(shard), device): [B, s]}``.
     """
 
     sp_group: dist.ProcessGroup
@@ -87,6 +119,12 @@ class StepContext:
     token_stats: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     ulysses_group: Optional[dist.ProcessGroup] = None
     ring_group: Optional[dist.ProcessGroup] = None
+    loss_scale: float = 1.0
+    incoming_gradients: Optional[list] = None
+    in_step: bool = False
+    plain: bool = False
+    step_batch_tensors: dict = field(default_factory=dict)
+    device_positions: dict = field(default_factory=dict)
 
     @property
     def exchange_group(self) -> dist.ProcessGroup:

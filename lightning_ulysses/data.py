@@ -54,7 +54,7 @@ def shard_batch(
        Positions whose *target* token is padding (``attention_mask == 0``) or starts another packed document get
        ``ignore_index``.
     3. ``attention_mask`` is checked (only right padding is supported: causal attention then never lets a real token
-       see a pad) and dropped.
+       see a pad) and sharded like the rest; the prepared model accepts it and runs causal attention.
     4. ``S`` is padded to a multiple of ``sp_size``: ``input_ids`` with ``pad_token_id``, labels with
        ``ignore_index``, positions continue counting, any other ``[B, S, ...]`` tensor with 0.
     5. Every ``[B, S, ...]`` tensor is sliced to ``[:, sp_rank * s : (sp_rank + 1) * s]`` with ``s = S_padded / sp``.
@@ -73,7 +73,7 @@ def shard_batch(
     # `None` under a contract key means absent (collators write e.g. attention_mask=None).
     out = {k: v for k, v in batch.items() if not (v is None and k in _CONTRACT_KEYS)}
 
-    attention_mask = out.pop(ATTENTION_MASK, None)
+    attention_mask = out.get(ATTENTION_MASK)
     if attention_mask is not None:
         _check_right_padding(attention_mask)
 
@@ -97,22 +97,77 @@ def shard_batch(
         shift_labels[:, :-1][document_start[:, 1:]] = ignore_index  # a document never predicts the next one
         out[SHIFT_LABELS] = shift_labels
 
+    # [B, S] bool: the token after position i is a target of i (inside the row, not a pad, not another document).
+    target_valid = torch.zeros(B, S, dtype=torch.bool)
+    target_valid[:, :-1] = ~document_start[:, 1:]
+    if attention_mask is not None:
+        target_valid[:, :-1] &= attention_mask[:, 1:].bool()
+
     ulysses_size = sp_size // ring_size
     padded_len = padded_length(S, ring_size, ulysses_size)
     shard_len = padded_len // sp_size
     start = sp_rank * shard_len
     index = (shard_index(padded_len, ring_size, ulysses_size, sp_rank // ulysses_size, sp_rank % ulysses_size)
              if ring_size > 1 else None)  # [s] global positions of this rank's zigzag shard
-    for key, value in out.items():
-        if not (isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == (B, S)):
-            continue
+
+    def cut(value: torch.Tensor, key: str) -> torch.Tensor:  # [B, S, ...] -> [B, s, ...]
         if padded_len != S:
             value = _pad_sequence(value, key, padded_len, pad_token_id, ignore_index)
-        out[key] = value[:, start : start + shard_len].contiguous() if index is None else value[:, index]
+        return value[:, start : start + shard_len].contiguous() if index is None else value[:, index]
+
+    for key, value in out.items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == (B, S):
+            out[key] = cut(value, key)
     info = _shard_info(S, padded_len, document_start) if packed else ShardInfo(S)
     info.batch_size, info.fingerprint = B, digest
+    info.position_ids = out[POSITION_IDS]
+    info.attention_mask = out.get(ATTENTION_MASK)
+    info.target_valid = cut(target_valid, "target_valid")  # padded with False
+    info.global_index = torch.arange(start, start + shard_len) if index is None else index
+    info.padded_len = padded_len
+    info.halo = next_token_sources(padded_len, sp_size, ring_size, sp_rank)
     out[SHARD_INFO_KEY] = info
     return out
+
+
+def next_token_sources(padded_len: int, sp_size: int, ring_size: int, sp_rank: int) -> "HaloPlan":
+    """Where the token after each contiguous run of this rank's shard lives (see :class:`HaloPlan`)."""
+    ulysses = sp_size // ring_size
+
+    def index_of(rank: int) -> torch.Tensor:  # [s] positions in the padded row that SP rank `rank` holds
+        return shard_index(padded_len, ring_size, ulysses, rank // ulysses, rank % ulysses)
+
+    def run_starts(index: torch.Tensor) -> list[int]:
+        return [0] + [i for i in range(1, len(index)) if int(index[i]) != int(index[i - 1]) + 1]
+
+    owner: dict[int, tuple[int, int]] = {}  # global start of every run -> (SP rank, run number)
+    for rank in range(sp_size):
+        index = index_of(rank)
+        for run, start in enumerate(run_starts(index)):
+            owner[int(index[start])] = (rank, run)
+    mine = index_of(sp_rank)
+    starts = run_starts(mine)
+    ends = [start - 1 for start in starts[1:]] + [len(mine) - 1]
+    sources = [owner.get(int(mine[end]) + 1) for end in ends]  # None: the run ends the row
+    return HaloPlan(starts, ends, sources)
+
+
+class HaloPlan:
+    """For shifting per-token tensors by one position across shard boundaries: this rank's shard is made of
+    contiguous runs of the padded row (one run, or two with the ring's zigzag layout); ``starts``/``ends`` are their
+    first/last local positions, and ``sources[i]`` is the ``(SP rank, run number)`` whose first token follows run
+    ``i`` in the row (``None`` where run ``i`` ends the row)."""
+
+    __slots__ = ("starts", "ends", "sources")
+
+    def __init__(self, starts: list[int], ends: list[int], sources: list[Optional[tuple[int, int]]]) -> None:
+        self.starts, self.ends, self.sources = starts, ends, sources
+
+    def __getstate__(self):
+        return self.starts, self.ends, self.sources
+
+    def __setstate__(self, state) -> None:
+        self.starts, self.ends, self.sources = state
 
 
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -255,33 +310,37 @@ def automatic_batching_off_error() -> str:
 class _AccumulationWindowMixin:
     """Adds look-ahead to a DataLoader: batches are read one gradient-accumulation window at a time, and each batch's
     :class:`ShardInfo` gets this rank's count of target tokens over its whole window, so the loss can weight every
-    token of the window equally, as one larger batch would."""
+    token of the window equally, as one larger batch would.
+
+    Windows are Lightning's: every epoch starts a window, one ends every ``steps`` batches and at the end of the
+    epoch (the batches Lightning takes: ``epoch_batches()``, with ``limit_train_batches`` applied). A resumed epoch
+    (the resumable loader sets ``_ulysses_skip``) continues the window its first batch belongs to."""
 
     _ulysses_window: int = 1
-    _ulysses_window_offset: Callable[[], int] = staticmethod(lambda: 0)
+    _ulysses_epoch_batches: Callable[[], float] = staticmethod(lambda: float("inf"))
 
     def __iter__(self):
         iterator = super().__iter__()  # type: ignore[misc]
-        # Windows follow DeepSpeed's micro-step counter, which runs on across epochs.
-        first = self._ulysses_window - self._ulysses_window_offset() % self._ulysses_window
-        size = first
-        while True:
-            window = [batch for _, batch in zip(range(size), iterator)]
+        skipped = int(self.__dict__.get("_ulysses_skip", 0))  # batches of this epoch already trained (resume)
+        remaining = self._ulysses_epoch_batches() - skipped
+        size = self._ulysses_window - skipped % self._ulysses_window
+        while remaining > 0:
+            window = [batch for _, batch in zip(range(int(min(size, remaining))), iterator)]
             if not window:
                 return
+            remaining -= len(window)
             tokens = sum((b[SHIFT_LABELS] != IGNORE_INDEX).sum() for b in window if SHIFT_LABELS in b)
             for batch in window:
                 if SHARD_INFO_KEY in batch:
                     batch[SHARD_INFO_KEY].window_tokens = torch.as_tensor(tokens)
                 yield batch
             size = self._ulysses_window
+        yield from iterator  # past Lightning's epoch length: not trained (Lightning stops first)
 
 
-def install_accumulation_window(dataloader: DataLoader, steps: int, offset: Callable[[], int]) -> DataLoader:
+def install_accumulation_window(dataloader: DataLoader, steps: int, epoch_batches: Callable[[], float]) -> DataLoader:
     """Make ``dataloader`` count target tokens per accumulation window of ``steps`` batches (see the mixin).
-
-    ``offset()`` returns the number of micro-batches already taken (DeepSpeed's counter) when iteration starts.
-    """
+    ``epoch_batches()``: how many batches Lightning takes from it per epoch (``inf`` if unknown)."""
     cls = type(dataloader)
     if not issubclass(cls, _AccumulationWindowMixin):
         # The same loader (same sampler, collate, workers, state) as an instance of a subclass with look-ahead.
@@ -290,7 +349,7 @@ def install_accumulation_window(dataloader: DataLoader, steps: int, offset: Call
         windowed.__dict__.update(dataloader.__dict__)
         dataloader = windowed
     dataloader.__dict__["_ulysses_window"] = steps
-    dataloader.__dict__["_ulysses_window_offset"] = offset
+    dataloader.__dict__["_ulysses_epoch_batches"] = epoch_batches
     return dataloader
 
 

@@ -9,12 +9,14 @@ all of it, so a model is plain again after ``trainer.fit`` and two Trainers can 
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
+from lightning_ulysses.calls import install_call_completion, remove_call_completion
 from lightning_ulysses.context import ShardInfo, StepContext
 from lightning_ulysses.exchange import head_to_sequence_shards, sequence_to_head_shards
 from lightning_ulysses.loss import SequenceParallelLossFunction
@@ -272,6 +274,7 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
     model.loss_function = SequenceParallelLossFunction(context)
     if not saved.hooks:
         saved.hooks.append(model.register_forward_pre_hook(_refuse_router_aux_loss, with_kwargs=True))
+    install_call_completion(model, context, hf_model=True)
 
 
 def _refuse_router_aux_loss(model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -302,6 +305,7 @@ def restore_model(model: nn.Module) -> None:
         module.__dict__.pop("forward", None)
     for hook in saved.hooks:
         hook.remove()
+    remove_call_completion(model)
     if saved.had_loss_function:
         model.__dict__["_loss_function"] = saved.loss_function
     else:
@@ -310,6 +314,29 @@ def restore_model(model: nn.Module) -> None:
 
 def is_prepared(model: nn.Module) -> bool:
     return _SAVED in model.__dict__
+
+
+@contextmanager
+def plain_mode(model: nn.Module, context: StepContext) -> Iterator[None]:
+    """Inside the block the prepared ``model`` runs as the plain model it was before preparation (its own attention
+    implementation and cache setting, no exchange, no call completion): for ``generate()`` during fit."""
+    saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED)
+    if saved is None:
+        yield
+        return
+    config = model.config
+    prepared_impl, prepared_cache = config._attn_implementation, getattr(config, "use_cache", None)
+    config._attn_implementation = saved.attn_implementation
+    if saved.use_cache is not None:
+        config.use_cache = saved.use_cache
+    context.plain = True
+    try:
+        yield
+    finally:
+        context.plain = False
+        config._attn_implementation = prepared_impl
+        if prepared_cache is not None:
+            config.use_cache = prepared_cache
 
 
 class _LocalHeadsView:
@@ -332,6 +359,8 @@ def _with_ulysses_sdpa(module: nn.Module, context: StepContext) -> Callable[...,
     original_forward = type(module).forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if context.plain:
+            return original_forward(module, *args, **kwargs)
         original_sdpa = F.scaled_dot_product_attention
 
         def ulysses_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -1,4 +1,4 @@
-"""The causal-LM loss from sequence shards, token-weighted like the single-device run, with exact gradients.
+"""The causal-LM loss (and any token-weighted mean) from sequence shards, with exact gradients.
 
 Each rank holds logits for ``S / sp`` positions of its replica's micro-batch. The single-device run that SP must
 reproduce takes the mean over every target token of the whole (global) batch. So every rank computes the *sum* over
@@ -9,13 +9,19 @@ its shard's valid tokens, and one all-reduce over all ranks (DP × SP) gives the
   whole gradient-accumulation window when the train loader looked ahead to count it (exact token weighting across
   micro-batches of different lengths, as one k-times larger batch would give).
 
-``grad_scale`` undoes what DeepSpeed does to gradients (measured per ZeRO stage, pinned by tests/test_parity.py):
-it sums gradients over all DP × SP ranks and divides by dp (ZeRO 0/1/2, ZeRO 3 without ``reduce_scatter``) or by
-dp × sp (ZeRO 3 with ``reduce_scatter``, Lightning's default); with gradient accumulation Lightning and DeepSpeed
-each divide the loss by the number of accumulation steps.
+Gradient scales, in two places (measured per ZeRO stage, pinned by tests/test_parity.py and tests/test_steps.py):
+
+* the whole loss a training step returns is back-propagated with the factor :func:`whole_loss_gradient_factor`
+  (``k · D / (dp · sp)``): DeepSpeed sums gradients over all DP × SP ranks and divides by ``D`` (dp at ZeRO 0/1/2
+  and ZeRO 3 without ``reduce_scatter``; dp × sp at ZeRO 3 with ``reduce_scatter``, Lightning's default), and with
+  ``k`` accumulation steps Lightning and DeepSpeed each divide the loss by ``k``. A term that is the same on every
+  rank (a weight regulariser, an auxiliary loss computed from global quantities) is then exact as it is;
+* an SP loss therefore acts like a replicated term: its local share carries ``grad_scale = dp × sp`` (times ``k`` with
+  a look-ahead accumulation window), so the shares of all ranks add up to the gradient of the global mean.
 
 The loss returned carries ``value`` bitwise (the same fp32 number on every rank) and passes its gradient to the local
-share (:class:`_ValueWithGradientOf`). One all-reduce of 3 numbers per call.
+share (:class:`_ValueWithGradientOf`), recording that gradient for the SP-peer check of the step. One all-reduce of
+3 numbers per call.
 """
 
 from __future__ import annotations
@@ -32,11 +38,37 @@ IGNORE_INDEX = -100
 
 
 def zero_gradient_scale(deepspeed_config: Mapping[str, Any], sp_size: int, dp_size: int = 1) -> float:
-    """The factor on each rank's ``local_sum / N`` that makes DeepSpeed's reduced gradient exact."""
+    """``D``: what DeepSpeed divides the sum of all ranks' gradients by (dp, or dp × sp at ZeRO-3 with
+    ``reduce_scatter``). A loss share ``local_sum / N`` back-propagated with factor ``D`` gives the exact gradient."""
     zero = deepspeed_config.get("zero_optimization") or {}
     if zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True):
         return float(dp_size * sp_size)
     return float(dp_size)
+
+
+def whole_loss_gradient_factor(deepspeed_config: Mapping[str, Any], sp_size: int, dp_size: int,
+                               accumulation: int = 1) -> float:
+    """Factor on the gradient of the whole loss a training step returns: ``k · D / (dp · sp)``. With it a term that is
+    the same on every rank trains as on one device, and the SP losses (share scale ``dp · sp``) stay exact."""
+    return accumulation * zero_gradient_scale(deepspeed_config, sp_size, dp_size) / (dp_size * sp_size)
+
+
+def scale_gradient(loss: torch.Tensor, factor: float) -> torch.Tensor:
+    """``loss`` with the same value whose gradient is multiplied by ``factor`` on the way back."""
+    if factor == 1.0 or not loss.requires_grad:
+        return loss
+    return _ScaledGradient.apply(loss, factor)
+
+
+class _ScaledGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.factor = factor
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad * ctx.factor, None
 
 
 def sequence_parallel_cross_entropy(
@@ -95,49 +127,114 @@ def normalize_loss_sum(
     grad_scale: float = 1.0,
     ignore_index: int = IGNORE_INDEX,
     window_tokens: Optional[torch.Tensor] = None,
+    record: Optional[list] = None,
 ) -> torch.Tensor:
     """Turn this rank's summed token loss into the batch mean with exact gradients (see the module docstring)."""
     local_count = (shift_labels != ignore_index).sum().to(local_sum.device)
-    window = local_count if window_tokens is None else window_tokens.to(local_sum.device)
-    totals = torch.stack([local_sum.detach().double(), local_count.double(), window.double()])  # [sum, count, window]
+    return normalize_weighted_sum(local_sum, local_count, group, grad_scale, window_tokens, record)
+
+
+def normalize_weighted_sum(
+    local_sum: torch.Tensor,
+    local_weight: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    grad_scale: float = 1.0,
+    window_weight: Optional[torch.Tensor] = None,
+    record: Optional[list] = None,
+) -> torch.Tensor:
+    """``sum over all ranks of local_sum / sum over all ranks of local_weight`` (0 when the weights sum to 0), whose
+    gradient reaches this rank's ``local_sum`` as ``grad_scale / total window weight`` (the micro-batch's total when
+    ``window_weight`` is ``None``). ``record``: a list the incoming gradient is appended to in backward."""
+    local_weight = local_weight.to(local_sum.device)
+    window = local_weight if window_weight is None else window_weight.to(local_sum.device)
+    totals = torch.stack([local_sum.detach().double(), local_weight.detach().double(),
+                          window.detach().double()])  # [sum, weight, window weight]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
-    value = (totals[0] / totals[1].clamp(min=1.0)).float()
-    share = local_sum * (grad_scale / totals[2].clamp(min=1.0).float())
+    value = (totals[0] / _nonzero(totals[1])).float()
+    share = local_sum * (grad_scale / _nonzero(totals[2]).float())
     # Not `share + (value - share).detach()`: that rounds in fp32 (differently per rank when share > value).
-    return _ValueWithGradientOf.apply(value, share)
+    return _ValueWithGradientOf.apply(value, share, record)
+
+
+def _nonzero(total: torch.Tensor) -> torch.Tensor:
+    """The total, or 1 where it is 0 (a batch without targets: the sum is 0 too, so the mean is 0, never NaN)."""
+    return torch.where(total == 0, torch.ones_like(total), total)
 
 
 class _ValueWithGradientOf(torch.autograd.Function):
-    """Forward: ``value`` exactly. Backward: the incoming gradient goes to ``share`` (``d out / d share = 1``)."""
+    """Forward: ``value`` exactly. Backward: the incoming gradient goes to ``share`` (``d out / d share = 1``) and is
+    appended to ``record`` (if given) for the SP-peer check."""
 
     @staticmethod
-    def forward(ctx, value: torch.Tensor, share: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, value: torch.Tensor, share: torch.Tensor,  # type: ignore[override]
+                record: Optional[list] = None) -> torch.Tensor:
+        ctx.record = record
         return value.detach().clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
-        return None, grad
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:  # type: ignore[override]
+        if ctx.record is not None:
+            ctx.record.append(grad.detach())
+        return None, grad, None
 
 
 def step_normalization(context: StepContext) -> tuple[float, Optional[torch.Tensor]]:
     """The gradient scale and accumulation-window token count of the current step."""
     window = context.shard.window_tokens if context.shard is not None else None
-    # With accumulation, Lightning divides the training_step loss by the steps (its closure) and DeepSpeed divides
-    # it again (engine.backward): a window-normalised share must be multiplied by steps² (measured, tests pin it).
-    return context.grad_scale * (context.accumulation**2 if window is not None else 1), window
+    # The whole loss is back-propagated with k·D/(dp·sp) (whole_loss_gradient_factor), and with k accumulation steps
+    # Lightning and DeepSpeed each divide it by k: a share normalised by the whole window's tokens is multiplied by k
+    # once more (measured, tests pin it); a share normalised per micro-batch averages the micro-batches as Lightning
+    # does on one device.
+    return context.grad_scale * (context.accumulation if window is not None else 1), window
 
 
 def step_cross_entropy(
-    context: StepContext, logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+    context: StepContext, logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+    weight: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """:func:`sequence_parallel_cross_entropy` with the group, gradient scale and window of the current step."""
+    """:func:`sequence_parallel_cross_entropy` with the group, gradient scale and window of the current step;
+    ``weight``: ``[B]`` sample or ``[B, s]`` token weights (a weighted mean over the target tokens)."""
     scale, window = step_normalization(context)
+    record = context.incoming_gradients
+    if weight is not None:
+        losses = token_cross_entropy(logits, shift_labels, ignore_index)  # [B, s], 0 where no target
+        weights = broadcast_token_weights(weight, shift_labels) * (shift_labels != ignore_index).to(losses.device)
+        return step_token_mean(context, losses, weights)
     if not torch.is_grad_enabled():  # evaluation: keep the per-token losses for position / retrieval metrics
         context.token_stats = token_statistics(logits, shift_labels, ignore_index)
         local_sum = context.token_stats[0].sum()
-        return normalize_loss_sum(local_sum, shift_labels, context.loss_group, scale, ignore_index, window)
-    return sequence_parallel_cross_entropy(logits, shift_labels, context.loss_group, scale, ignore_index, window)
+        return normalize_loss_sum(local_sum, shift_labels, context.loss_group, scale, ignore_index, window, record)
+    local_sum = cross_entropy_sum(logits, shift_labels, ignore_index)
+    return normalize_loss_sum(local_sum, shift_labels, context.loss_group, scale, ignore_index, window, record)
+
+
+def token_cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor,
+                        ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``[B, s]`` fp32 token cross-entropies of ``[B, s, V]`` logits (0 where there is no target)."""
+    labels = shift_labels.to(logits.device)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=ignore_index, reduction="none").view(labels.shape)
+
+
+def broadcast_token_weights(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[B]`` (one weight per sample) or ``[B, s]`` (per token) weights as ``[B, s]`` fp32 on ``like``'s device."""
+    weight = torch.as_tensor(weight, device=like.device)
+    if weight.ndim == 1 and weight.shape[0] == like.shape[0]:
+        weight = weight[:, None].expand(like.shape[:2])
+    if tuple(weight.shape) != tuple(like.shape[:2]):
+        raise ValueError(f"Weights must be [B] (per sample) or [B, s] (per token of this rank's shard) ="
+                         f" {list(like.shape[:2])}, got {list(weight.shape)}.")
+    return weight.float()
+
+
+def step_token_mean(context: StepContext, values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum(values · weights) / sum(weights)`` over the whole batch (every rank's shard), exact gradients; the mean
+    is taken per micro-batch (with accumulation, the micro-batches are averaged as Lightning does on one device)."""
+    weights = weights.to(values.device).float()
+    local_sum = (values.float() * weights).sum()
+    return normalize_weighted_sum(local_sum, weights.sum(), context.loss_group, context.grad_scale, None,
+                                  context.incoming_gradients)
 
 
 class SequenceParallelLossFunction:
@@ -157,8 +254,8 @@ class SequenceParallelLossFunction:
     ) -> torch.Tensor:
         if shift_labels is None:
             raise ValueError(
-                "Under sequence parallelism the loss needs `shift_labels` (next-token targets computed before the"
-                " sequence was sharded). The strategy's collate step adds them from `labels`: pass batches through"
-                " the DataLoader the strategy prepared, or add `shift_labels` to the batch yourself."
+                "Under sequence parallelism the loss needs `shift_labels` (next-token targets across the shard"
+                " boundaries). The strategy builds them when the model is called with `labels` inside a step; call"
+                " the model with the batch's `labels` (or `shift_labels=batch[\"shift_labels\"]`)."
             )
         return step_cross_entropy(self.context, logits, shift_labels, ignore_index)

@@ -206,10 +206,11 @@ def _memory_forward(model: nn.Module, features: MemoryFeatures, context: Optiona
                 context.token_stats = tiled_token_statistics(hidden, lm_head, shift_labels, chunks)
                 local_sum = context.token_stats[0].sum()
             if context is None:
-                scale, window, group = 1.0, None, None
+                scale, window, group, record = 1.0, None, None, None
             else:
                 (scale, window), group = step_normalization(context), context.loss_group
-            loss = normalize_loss_sum(local_sum, shift_labels, group, scale, IGNORE_INDEX, window)
+                record = context.incoming_gradients
+            loss = normalize_loss_sum(local_sum, shift_labels, group, scale, IGNORE_INDEX, window, record)
             return CausalLMOutputWithPast(loss=loss, logits=None)
 
     return forward

@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_ulysses import calls, generation
 from lightning_ulysses import checkpoint as _checkpoint
 from lightning_ulysses import building, hf, integrity, memory
 from lightning_ulysses.agreement import SPAgreement, sampler_split_error
@@ -42,7 +43,13 @@ from lightning_ulysses.layout import (
     validate_ring_size,
     validate_sp_size,
 )
-from lightning_ulysses.loss import step_cross_entropy, zero_gradient_scale
+from lightning_ulysses.loss import (
+    broadcast_token_weights,
+    scale_gradient,
+    step_cross_entropy,
+    step_token_mean,
+    whole_loss_gradient_factor,
+)
 from lightning_ulysses.outputs import gather_sequence_outputs
 
 
@@ -143,6 +150,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self.verify_checkpoints = verify_checkpoints
         self._agreement: Optional[SPAgreement] = None
         self._step_queues: dict[str, StepStateQueue] = {}
+        self._own_model_roots: list[Module] = []
+        self._step_shift_labels: Optional[torch.Tensor] = None
 
     # ----------------------------------------------------------------------------------------------- layout
     @property
@@ -258,24 +267,33 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                 " use ring_size=1."
             )
         hf.register_attention_functions()
+        accumulation = int(self.config.get("gradient_accumulation_steps", 1))
         self._context = StepContext(
             sp_group=self.sp_group,
             loss_group=None,  # every rank: the loss is token-weighted over the global batch
-            grad_scale=zero_gradient_scale(self.config, self.sp_size, self.dp_size),
-            accumulation=int(self.config.get("gradient_accumulation_steps", 1)),
+            grad_scale=float(self.dp_size * self.sp_size),  # SP losses act as terms replicated on every rank
+            loss_scale=whole_loss_gradient_factor(self.config, self.sp_size, self.dp_size, accumulation),
+            accumulation=accumulation,
             sdpa_per_document=self.sdpa_per_document,
             ulysses_group=self.layout.ulysses_group,
             ring_group=self.layout.ring_group,
+            incoming_gradients=[],
         )
         for model in models:
             hf.prepare_model(model, self._context)
             memory.enable(model, self.memory_features, self._context)
+            generation.install_plain_generate(model, self._context, self.zero_stage_3)
         self._prepared_models = models
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self._switch_to_train_mode(models)
         for core in cores:
             wrap_attention_core(core, self.sp_group)
         self._wrapped_cores = cores
+        # Own models: the outermost modules around the attention cores whose forward takes `position_ids` get the
+        # shard's positions when called without them.
+        self._own_model_roots = calls.position_taking_roots(self.lightning_module, cores)
+        for root in self._own_model_roots:
+            calls.install_call_completion(root, self._context, hf_model=False)
 
     def _switch_to_train_mode(self, models: list[Module]) -> None:
         """``from_pretrained`` returns models in eval mode and Lightning keeps submodule modes: without this, fit
@@ -349,22 +367,79 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         shard = shard_batch(batch, self.sp_size, self.sp_rank, self._pad_token_id(), ring_size=self.ring_size)
         info = shard.pop(SHARD_INFO_KEY)
         context = self.step_context
-        previous = context.shard, context.tile_shard_len, context.token_stats
+        previous = context.shard, context.tile_shard_len, context.token_stats, context.in_step
         context.shard, context.tile_shard_len, context.token_stats = info, self._agreed_tile_shard_len(info), None
+        context.in_step = True
         try:
             shard = {k: v.to(self.root_device) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
             model(**shard)
             losses, correct = self._token_stats()
         finally:
-            context.shard, context.tile_shard_len, context.token_stats = previous
+            context.shard, context.tile_shard_len, context.token_stats, context.in_step = previous
         return {"loss": losses, "correct": correct, "shift_labels": shard["shift_labels"],
                 "position_ids": shard["position_ids"]}
 
-    def cross_entropy(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    def cross_entropy(self, logits: torch.Tensor, shift_labels: torch.Tensor,
+                      weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Mean next-token cross-entropy over the batch's target tokens from this rank's ``[B, s, V]`` logits and
         ``[B, s]`` ``shift_labels``, for a ``training_step`` that computes its own loss. Same value on every rank,
-        the single-device value; exact gradients at every ZeRO stage and with gradient accumulation."""
-        return step_cross_entropy(self.step_context, logits, shift_labels)
+        the single-device value; exact gradients at every ZeRO stage and with gradient accumulation.
+
+        ``weight``: ``[B]`` per-sample or ``[B, s]`` per-target weights (aligned with ``shift_labels``; for weights
+        given per input token use :meth:`next_token_values`): the loss is then ``sum(w · ce) / sum(w)`` over the
+        target tokens of the whole batch, as ``(ce * w).sum() / w.sum()`` on one device."""
+        return step_cross_entropy(self.step_context, logits, shift_labels, weight=weight)
+
+    def token_mean(self, values: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Weighted mean of per-token ``values`` ``[B, s]`` over the whole batch (every rank's shard): the value a
+        single device computes as ``(values * w).sum() / w.sum()`` on the full batch, the same number on every rank,
+        with exact gradients. Use it for every per-token term of a loss (auxiliary losses on logits or hidden states,
+        weighted token losses): a mean over this rank's shard would be a different function on every rank.
+
+        Args:
+            values: ``[B, s]`` per-token values of this rank's shard (e.g. ``F.cross_entropy(..., reduction="none")``
+                against ``batch["shift_labels"]``, or ``logits.logsumexp(-1) ** 2``).
+            weights: ``[B]`` per-sample or ``[B, s]`` per-token weights; ``None``: 1.
+            mask: ``[B, s]`` which positions count; ``None``: the step's target tokens (``shift_labels != -100``),
+                or, if the batch has no labels, its real tokens (no padding).
+
+        With gradient accumulation the mean is taken per micro-batch, and the micro-batches are averaged as Lightning
+        averages them on one device."""
+        context = self.step_context
+        shard = context.shard
+        if shard is None or shard.shard_shape is None:
+            raise RuntimeError("token_mean is for use inside a step, on tensors of this rank's shard.")
+        if tuple(values.shape[:2]) != shard.shard_shape:
+            raise ValueError(f"token_mean: values must be [B, s] = {list(shard.shard_shape)} (this rank's shard),"
+                             f" got {list(values.shape)}.")
+        if mask is None:
+            mask = self._default_token_mask(shard)
+        w = mask.to(values.device).float()
+        if weights is not None:
+            w = w * broadcast_token_weights(weights, values)
+        return step_token_mean(context, values, w)
+
+    def _default_token_mask(self, shard: ShardInfo) -> torch.Tensor:
+        stats_labels = getattr(self, "_step_shift_labels", None)
+        if stats_labels is not None:
+            return stats_labels != -100
+        real = torch.ones(shard.shard_shape, dtype=torch.bool)  # type: ignore[arg-type]
+        if shard.attention_mask is not None:
+            real &= shard.attention_mask.bool()
+        real &= shard.global_index[None, :] < shard.seq_len  # not the padding to the SP multiple
+        return real
+
+    def next_token_values(self, values: torch.Tensor, fill: Any = 0) -> torch.Tensor:
+        """``[B, s, ...]`` -> ``[B, s, ...]``: at every position of this rank's shard, the value at the next position of
+        the full sequence (``fill`` after the last one), across shard boundaries: what ``values[:, 1:]`` is on one
+        device. For per-token tensors of the batch that must line up with the targets, e.g. token weights:
+        ``strategy.cross_entropy(logits, batch["shift_labels"], weight=strategy.next_token_values(batch["w"]))``.
+        One all-gather of ``[B, 1 or 2, ...]`` over the SP group; every SP rank must call it."""
+        shard = self.step_context.shard
+        if shard is None or shard.halo is None:
+            raise RuntimeError("next_token_values is for use inside a step, on tensors of this rank's shard.")
+        return calls.next_token_values(values, shard, self.sp_group, fill)
 
     # ----------------------------------------------------------------------------------------------- steps
     def _begin_step(self, kind: str, batch: Any = None) -> None:
@@ -408,27 +483,46 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)  # [1]: max shard length, world
         return int(local.item())
 
+    @contextmanager
+    def _step(self, kind: str, batch: Any) -> Generator[None, None, None]:
+        self._begin_step(kind, batch)
+        self._step_shift_labels = batch.get("shift_labels") if isinstance(batch, dict) else None
+        if self._context is not None:
+            self._context.in_step = True
+            self._context.step_batch_tensors = (
+                {key: batch.get(key) for key in ("position_ids", "attention_mask")} if isinstance(batch, dict) else {})
+            if kind == "train":
+                self._context.incoming_gradients = []
+        try:
+            yield
+        finally:
+            if self._context is not None:
+                self._context.in_step = False
+            self._step_shift_labels = None
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step("train", args[0] if args else kwargs.get("batch"))
-        return super().training_step(*args, **kwargs)
+        batch = args[0] if args else kwargs.get("batch")
+        self._follow_lightnings_accumulation()
+        with self._step("train", batch):
+            return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step("validate", args[0] if args else kwargs.get("batch"))
-        return super().validation_step(*args, **kwargs)
+        with self._step("validate", args[0] if args else kwargs.get("batch")):
+            return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step("test", args[0] if args else kwargs.get("batch"))
-        return super().test_step(*args, **kwargs)
+        with self._step("test", args[0] if args else kwargs.get("batch")):
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
-        self._begin_step("predict", batch)
         local_shape = tuple(batch["input_ids"].shape[:2]) if isinstance(batch, dict) and "input_ids" in batch else None
-        output = super().predict_step(*args, **kwargs)
+        with self._step("predict", batch):
+            output = super().predict_step(*args, **kwargs)
         if not self.gather_predictions or local_shape is None or self.current_shard is None:
             return output
         order = None
@@ -439,6 +533,52 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             order = full_order(padded_length(self.current_shard.seq_len, self.ring_size, ulysses), self.ring_size,
                                ulysses)
         return gather_sequence_outputs(output, local_shape, self.current_shard.seq_len, self.sp_group, order)
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        """``False``: Lightning decides where an accumulation window ends (every ``accumulate_grad_batches`` batches
+        and at the end of the epoch, as on one device) and calls the optimizer step only there; the strategy tells
+        DeepSpeed each micro-batch whether it ends a window (:meth:`_follow_lightnings_accumulation`). Lightning's
+        own DeepSpeed strategy lets DeepSpeed count windows across epochs, so a window that does not divide the epoch
+        drifts away from Lightning's steps."""
+        return False
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Nothing to block: DeepSpeed reduces gradients at the accumulation boundary the strategy sets (its
+        ``no_sync`` refuses ZeRO 2/3, whose gradient partitioning needs the reduction hooks)."""
+        yield None
+
+    def _follow_lightnings_accumulation(self) -> None:
+        """DeepSpeed's accumulation boundary (gradient reduction and optimizer step) follows Lightning's windows."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if self._context is None or self._context.accumulation <= 1 or trainer is None:
+            return
+        if self.lightning_module.automatic_optimization:
+            self.deepspeed_engine.set_gradient_accumulation_boundary(not trainer.fit_loop._should_accumulate())
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
+                 ) -> torch.Tensor:
+        """Back-propagate the step's loss with the whole-loss gradient factor (terms that are the same on every
+        rank stay exact), then, before any weight changes, check that the SP peers back-propagated the same loss
+        through the same use of the strategy's SP losses."""
+        context = self._context
+        if context is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        received = context.incoming_gradients  # the SP losses of this step's forward record into this list
+        value = closure_loss.detach()
+        scaled = scale_gradient(closure_loss, context.loss_scale)
+        try:
+            super().backward(scaled, optimizer, *args, **kwargs)
+        finally:
+            context.incoming_gradients = []  # for the next forward pass
+        if self._agreement is not None:
+            step = self.lightning_module.trainer.global_step
+            self._agreement.verify_loss(value, received, where=f"training step at global step {step}")
+        return closure_loss
 
     @override
     def _setup_model_and_optimizer(
@@ -505,7 +645,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         kind = _loader_kind(trainer)
         if accumulation > 1 and kind == "train":
-            dataloader = install_accumulation_window(dataloader, accumulation, self._micro_steps_taken)
+            dataloader = install_accumulation_window(dataloader, accumulation, self._batches_in_epoch)
         if kind == "train":
             dataloader = _checkpoint.install_resumable_loader(dataloader)  # mid-epoch resume at the right batch
         queue = self._step_queues.setdefault(kind, StepStateQueue())
@@ -545,21 +685,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                 raise ValueError(automatic_batching_off_error())
         return super()._auto_select_batch_size()
 
-    def _micro_steps_taken(self) -> int:
-        return int(getattr(self.model, "micro_steps", 0))
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        trainer = self.lightning_module.trainer
-        accumulation = self.step_context.accumulation
-        batches = trainer.num_training_batches
-        if accumulation > 1 and batches != float("inf") and batches % accumulation != 0:
-            rank_zero_warn(
-                f"The epoch has {batches} batches, not a multiple of accumulate_grad_batches={accumulation}: an"
-                " accumulation window that spans two epochs is token-weighted per part, so its gradient differs"
-                " slightly from one large batch. Make the epoch length a multiple to keep exact token weighting."
-            )
+    def _batches_in_epoch(self) -> float:
+        """How many batches Lightning takes from the train loader this epoch (``limit_train_batches`` applied)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return float(trainer.num_training_batches) if trainer is not None else float("inf")
 
     def _pad_token_id(self) -> int:
         for model in self._prepared_models:
@@ -646,9 +775,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         for model in self._prepared_models:
             memory.disable(model)
             hf.restore_model(model)
+        for model in self._prepared_models:
+            generation.remove_plain_generate(model)
         for core in self._wrapped_cores:
             unwrap_attention_core(core)
-        self._prepared_models, self._wrapped_cores = [], []
+        for root in self._own_model_roots:
+            calls.remove_call_completion(root)
+        self._prepared_models, self._wrapped_cores, self._own_model_roots = [], [], []
         self._context = None
         self._step_queues = {}
         super().teardown()

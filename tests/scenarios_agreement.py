@@ -115,15 +115,6 @@ class Module(CausalLM):
 
     def training_step(self, batch, batch_idx):
         self.steps += 1
-        if self.case.get("tutorial_loss"):  # DeepSpeed's Ulysses tutorial loss code, pasted into training_step
-            import torch.distributed.nn.functional as dist_fn
-
-            group = self.trainer.strategy.sp_group
-            loss = self.model(**batch).loss
-            good_tokens = (batch["shift_labels"] != -100).sum()
-            losses = dist_fn.all_gather(loss, group=group)
-            tokens = dist_fn.all_gather(good_tokens, group=group)
-            return sum(l * t for l, t in zip(losses, tokens)) / sum(tokens)
         return super().training_step(batch, batch_idx)
 
 

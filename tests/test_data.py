@@ -177,14 +177,14 @@ def test_non_sequence_entries_pass_through_unchanged():
         assert shard["tag"] == "packed" and shard["meta"] is meta and shard["n"] == 7
 
 
-def test_attention_mask_is_dropped_and_padding_targets_ignored():
+def test_attention_mask_is_sharded_and_padding_targets_ignored():
     # right padding: row 0 has 6 real tokens, row 1 has 8
     input_ids = rows([11, 12, 13, 14, 15, 16, 0, 0], [21, 22, 23, 24, 25, 26, 27, 28])
     mask = rows([1, 1, 1, 1, 1, 1, 0, 0], [1] * 8)
     batch = {"input_ids": input_ids, "labels": input_ids.clone(), "attention_mask": mask}
     for sp in (2, 4):
         shards = all_shards(batch, sp)
-        assert all("attention_mask" not in s for s in shards)
+        assert torch.equal(concat(shards, "attention_mask"), mask)  # the shard of the mask: `batch[...]` works
         assert torch.equal(concat(shards, "shift_labels"), rows(
             [12, 13, 14, 15, 16, IGNORE, IGNORE, IGNORE],
             [22, 23, 24, 25, 26, 27, 28, IGNORE],
@@ -192,13 +192,14 @@ def test_attention_mask_is_dropped_and_padding_targets_ignored():
         assert torch.equal(concat(shards, "position_ids"), torch.arange(8).repeat(2, 1))
 
 
-def test_all_ones_attention_mask_changes_nothing_but_is_dropped():
+def test_all_ones_attention_mask_changes_nothing_but_is_kept():
     input_ids = torch.arange(1, 9).view(1, 8)
     with_mask = all_shards({"input_ids": input_ids, "labels": input_ids, "attention_mask": torch.ones(1, 8)}, 2)
     without = all_shards({"input_ids": input_ids, "labels": input_ids}, 2)
     for a, b in zip(with_mask, without):
-        assert set(a) == set(b)
-        for k in a:
+        assert set(a) == set(b) | {"attention_mask"}
+        assert bool(a["attention_mask"].bool().all())
+        for k in b:
             assert torch.equal(a[k], b[k])
 
 
@@ -242,6 +243,7 @@ def reference_processing(batch, sp_size, pad_token_id):
     mask = batch.get("attention_mask")
     out = {k: torch.empty(B, P, dtype=torch.long) for k in SEQ_KEYS}
     out["extra"] = torch.zeros(B, P, *batch["extra"].shape[2:])
+    out["attention_mask"] = torch.zeros(B, P, dtype=torch.long)
     for b in range(B):
         for t in range(P):
             real = t < S
@@ -252,6 +254,7 @@ def reference_processing(batch, sp_size, pad_token_id):
             out["position_ids"][b, t] = t
             if real:
                 out["extra"][b, t] = batch["extra"][b, t]
+                out["attention_mask"][b, t] = 1 if mask is None else mask[b, t]
     return out
 
 
@@ -268,10 +271,10 @@ def test_concatenated_shards_equal_the_full_processed_batch(B, S, sp):
     shards = all_shards(batch, sp, pad_token_id=77)
     s = expected["input_ids"].shape[1] // sp
     for r, shard in enumerate(shards):
-        assert set(shard) == {*SEQ_KEYS, "extra", "names"}
-        for key in (*SEQ_KEYS, "extra"):
+        assert set(shard) == {*SEQ_KEYS, "extra", "names", "attention_mask"}
+        for key in (*SEQ_KEYS, "extra", "attention_mask"):
             assert torch.equal(shard[key], expected[key][:, r * s:(r + 1) * s]), (key, r)
-    for key in (*SEQ_KEYS, "extra"):
+    for key in (*SEQ_KEYS, "extra", "attention_mask"):
         full = concat(shards, key)
         assert torch.equal(full, expected[key]), key
     # minus padding, the shards give back the user's own tensors

@@ -1,0 +1,303 @@
+"""What a call of a prepared model receives inside a step, completed or refused before any compute.
+
+Under SP a model call sees only this rank's shard, so what a single-device call would derive from the row itself is
+wrong on a shard: positions counted from 0, labels shifted inside the shard, a padding mask of the shard. A forward
+pre-hook on every prepared model (:func:`install_call_completion`) fixes that for the ways people call their model:
+
+* ``position_ids`` missing or ``None``: the shard's global positions (from the collate step); given ones must equal
+  them (positions computed inside the step from the shard, e.g. ``torch.arange(s)``, would be wrong);
+* ``attention_mask``: the batch's ``[B, s]`` padding mask (or all ones) is accepted and left out of the call: the
+  collate step checked right padding, for which causal attention over the full sequence is exact;
+* ``labels`` without ``shift_labels``: the next-token targets are built across shard boundaries (one all-gather of
+  the first label of each run over the SP group; pads and packed-document starts are no targets);
+* inputs whose sequence length is not the shard's (e.g. ``input_ids[:, :-1]``, a shift inside the shard) are refused
+  with the replacement code.
+
+A call outside a step (a callback running the model itself) is refused: its input is not a shard the strategy cut.
+Run full batches with :meth:`~lightning_ulysses.UlyssesDeepSpeedStrategy.evaluate_full_batch` and generate with
+``model.generate`` (plain generation, :mod:`lightning_ulysses.generation`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ulysses.context import ShardInfo, StepContext
+from lightning_ulysses.loss import IGNORE_INDEX
+
+_HOOK_HANDLE = "_ulysses_call_hook"
+
+REPLACEMENT = (
+    "    out = self.model(input_ids=batch[\"input_ids\"], position_ids=batch[\"position_ids\"])\n"
+    "    loss = self.trainer.strategy.cross_entropy(out.logits, batch[\"shift_labels\"])"
+)
+
+
+def install_call_completion(model: nn.Module, context: StepContext, hf_model: bool) -> None:
+    """Add the completing pre-hook to ``model`` (idempotent). ``hf_model``: a Hugging Face model (positions, mask and
+    labels completed); else a module of the user's own model whose ``forward`` takes ``position_ids`` (positions
+    only)."""
+    if _HOOK_HANDLE in model.__dict__:
+        return
+    hook = functools.partial(_complete_hf_call if hf_model else _complete_own_call, context=context)
+    model.__dict__[_HOOK_HANDLE] = model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def remove_call_completion(model: nn.Module) -> None:
+    handle = model.__dict__.pop(_HOOK_HANDLE, None)
+    if handle is not None:
+        handle.remove()
+
+
+def position_taking_roots(root: nn.Module, cores: list[nn.Module]) -> list[nn.Module]:
+    """The outermost modules below ``root`` that contain one of ``cores`` and whose ``forward`` takes an optional
+    ``position_ids`` (an own model's top module, typically)."""
+    core_ids = {id(core) for core in cores}
+    found: list[nn.Module] = []
+    covered: set[int] = set()
+    for _, module in root.named_modules():
+        if module is root or id(module) in covered or not accepts_position_ids(module):
+            continue
+        if any(id(m) in core_ids for m in module.modules()):
+            found.append(module)
+            covered.update(id(m) for m in module.modules())
+    return found
+
+
+def accepts_position_ids(module: nn.Module) -> bool:
+    """Whether ``module.forward`` has a ``position_ids`` parameter that may be left out."""
+    signature = _signature(type(module))
+    parameter = signature.parameters.get("position_ids") if signature is not None else None
+    return parameter is not None and parameter.default is not inspect.Parameter.empty
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(cls: type) -> Optional[inspect.Signature]:
+    try:
+        return inspect.signature(cls.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def _as_keywords(module: nn.Module, args: tuple, kwargs: dict) -> Optional[dict[str, Any]]:
+    """The call's arguments by name (positional ones bound to ``forward``'s parameters), or ``None`` if they do not
+    bind (the model's own error will say why)."""
+    signature = _signature(type(module))
+    if signature is None:
+        return None
+    try:
+        bound = signature.bind_partial(module, *args, **kwargs)
+    except TypeError:
+        return None
+    named: dict[str, Any] = {}
+    for name, value in list(bound.arguments.items())[1:]:  # without `self`
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+            return None
+        else:
+            named[name] = value
+    return named
+
+
+def outside_step_error(name: str) -> str:
+    return (
+        f"{name} was called outside a training/validation/test/predict step while UlyssesDeepSpeedStrategy has it"
+        " prepared for sequence parallelism: its input is not a shard the strategy cut, so its attention would"
+        " exchange the wrong tokens. From a callback, run a full batch (the same on every rank) with"
+        " `trainer.strategy.evaluate_full_batch(model, batch)`, or generate with `model.generate(...)` (plain,"
+        " unsharded generation)."
+    )
+
+
+def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: StepContext) -> Optional[tuple]:
+    if context.plain:
+        return None
+    name = type(model).__name__
+    if not context.in_step or context.shard is None:
+        raise RuntimeError(outside_step_error(name))
+    named = _as_keywords(model, args, kwargs)
+    if named is None:
+        return None
+    shard = context.shard
+    tokens = named.get("input_ids")
+    if tokens is None:
+        tokens = named.get("inputs_embeds")
+    if not isinstance(tokens, torch.Tensor) or shard.shard_shape is None:
+        return None
+    rows, length = _check_length(name, tokens, shard)  # shard shapes are equal on every SP rank
+    given_positions, given_mask = named.get("position_ids"), named.pop("attention_mask", None)
+    batch_tensors = context.step_batch_tensors
+    # The batch's own tensors are right by construction; anything else is compared with the shard's values, which
+    # can fail on one rank and not on another (rank 0's positions start at 0 too), so the SP group agrees on the
+    # verdict before anyone raises (one all-reduce, only on such calls).
+    trusted = (given_positions is None or given_positions is batch_tensors.get("position_ids")) and (
+        given_mask is None or given_mask is batch_tensors.get("attention_mask"))
+    problem = None
+    try:
+        named["position_ids"] = _positions(name, given_positions, rows, shard, context, tokens.device)
+        _check_attention_mask(name, given_mask, rows, shard)
+    except ValueError as err:
+        problem = err
+    if not trusted:
+        _agree_on_call(problem, name, context, tokens.device)
+    elif problem is not None:
+        raise problem
+    if named.get("labels") is not None and named.get("shift_labels") is None:
+        labels = named["labels"]
+        if not isinstance(labels, torch.Tensor) or tuple(labels.shape[:2]) != shard.shard_shape:
+            raise ValueError(
+                f"{name} was given `labels` of shape {_shape(labels)} but this rank's shard is {list(shard.shard_shape)}"
+                ": under sequence parallelism labels must be the shard's (e.g. `batch[\"labels\"]` or"
+                " `batch[\"input_ids\"]`), so that their next-token targets can be built across the shard boundary."
+            )
+        named["shift_labels"] = shift_labels_across_shards(labels, shard, context.sp_group)
+    return (), named
+
+
+def _complete_own_call(module: nn.Module, args: tuple, kwargs: dict, context: StepContext) -> Optional[tuple]:
+    """Positions only, for a module of the user's own model whose forward takes ``position_ids``."""
+    if context.plain or not context.in_step or context.shard is None or context.shard.shard_shape is None:
+        return None
+    named = _as_keywords(module, args, kwargs)
+    if named is None or named.get("position_ids") is not None:
+        return None
+    tokens = next((v for v in named.values() if isinstance(v, torch.Tensor) and v.ndim >= 2), None)
+    if tokens is None or tokens.shape[1] != context.shard.shard_shape[1]:
+        return None
+    named["position_ids"] = _positions(type(module).__name__, None, int(tokens.shape[0]), context.shard, context,
+                                       tokens.device)
+    return (), named
+
+
+_REFUSED_ON_A_PEER = 1
+
+
+def _agree_on_call(problem: Optional[ValueError], name: str, context: StepContext, device: torch.device) -> None:
+    """Raise on every rank of the SP group if the call was refused on any of them."""
+    verdict = torch.tensor([0 if problem is None else _REFUSED_ON_A_PEER], dtype=torch.int32, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(context.sp_group) > 1:
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=context.sp_group)  # [1]: refused anywhere?
+    if problem is not None:
+        raise problem
+    if int(verdict.item()):
+        raise ValueError(
+            f"{name} was refused on another rank of this sequence-parallel group: the `position_ids` or"
+            " `attention_mask` given to the model there are not that rank's positions / the batch's padding mask"
+            " (see that rank's error). Leave them out of the call (the strategy fills in the shard's positions) or"
+            " pass the batch's own `batch[\"position_ids\"]` / `batch[\"attention_mask\"]`."
+        )
+
+
+def _shape(value: Any) -> Any:
+    return list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _check_length(name: str, tokens: torch.Tensor, shard: ShardInfo) -> tuple[int, int]:
+    B, s = shard.shard_shape  # type: ignore[misc]
+    rows, length = int(tokens.shape[0]), int(tokens.shape[1]) if tokens.ndim >= 2 else -1
+    if length != s:
+        shifted = " (one token short: a shift inside the shard, like `input_ids[:, :-1]`)" if length == s - 1 else ""
+        raise ValueError(
+            f"{name} was called on a sequence of {length} tokens{shifted}, but this rank's shard of the batch has {s}"
+            f" (the full batch's {shard.seq_len} tokens cut over the sequence-parallel ranks). Under sequence"
+            " parallelism call the model on the shard as the batch gives it and let the collate step's"
+            " `shift_labels` hold the next-token targets (built before the sequence was cut):\n" + REPLACEMENT
+        )
+    if rows > B:
+        raise ValueError(f"{name} was called on {rows} rows, but this step's batch has {B}.")
+    return rows, length
+
+
+def _positions(name: str, given: Any, rows: int, shard: ShardInfo, context: StepContext,
+               device: torch.device) -> torch.Tensor:
+    """The shard's global positions ``[rows, s]`` on ``device``; ``given`` positions must equal them."""
+    expected = _device_positions(shard, context, device)  # [B, s]
+    B = expected.shape[0]
+    if rows != B:
+        if not bool((expected == expected[:1]).all()):
+            raise ValueError(f"{name} was called on {rows} of the batch's {B} rows, whose positions differ (packed"
+                             " documents): pass `position_ids` of those rows from the batch.")
+        expected = expected[:rows]
+    if given is None:
+        return expected
+    if not isinstance(given, torch.Tensor) or given.shape[-1] != expected.shape[-1] or not bool(
+            (given.to(expected.device) == expected).all()):
+        raise ValueError(
+            f"{name} was given `position_ids` that are not this rank's positions in the sequence (expected the"
+            f" batch's `position_ids`, global positions {int(expected[0, 0])}..{int(expected[0, -1])} on this rank)."
+            " Under sequence parallelism each rank holds a slice of the sequence, so positions computed inside the"
+            " step (e.g. `torch.arange(input_ids.shape[1])`) restart at 0 on every rank. Leave `position_ids` out"
+            " (the strategy fills them in) or pass `batch[\"position_ids\"]`."
+        )
+    return given
+
+
+def _device_positions(shard: ShardInfo, context: StepContext, device: torch.device) -> torch.Tensor:
+    cache = context.device_positions
+    key = (id(shard), str(device))
+    if key not in cache:
+        cache.clear()
+        cache[key] = shard.position_ids.to(device)  # type: ignore[union-attr]
+    return cache[key]
+
+
+def _check_attention_mask(name: str, mask: Any, rows: int, shard: ShardInfo) -> None:
+    """Accept the batch's padding mask (or all ones); anything else would change attention in a way the full-sequence
+    causal attention does not reproduce."""
+    if mask is None:
+        return
+    B, s = shard.shard_shape  # type: ignore[misc]
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and tuple(mask.shape) == (rows, s):
+        if bool(mask.bool().all()):
+            return
+        if shard.attention_mask is not None and bool(
+                (mask.bool().cpu() == shard.attention_mask[:rows].bool()).all()):
+            return
+    raise ValueError(
+        f"{name} was given an `attention_mask` ({_shape(mask)}) that is not this step's padding mask: under sequence"
+        " parallelism the strategy runs causal attention over the full sequence, which is exact for the batch's own"
+        " right-padding mask (`batch[\"attention_mask\"]`, checked by the collate step) and for no mask. Pass the"
+        " batch's mask or none; custom masks are not supported."
+    )
+
+
+def next_token_values(values: torch.Tensor, shard: ShardInfo, group: dist.ProcessGroup,
+                      fill: Any = 0) -> torch.Tensor:
+    """``[B, s, ...]`` -> ``[B, s, ...]``: at every position of this rank's shard, the value at the NEXT position of
+    the full row (``fill`` after the row's last position). Values across a shard boundary come from the SP peer that
+    holds them: one all-gather of ``[B, runs, ...]`` (the first value of each contiguous run) over ``group``.
+    Not differentiable."""
+    plan = shard.halo
+    out = torch.empty_like(values)
+    out[:, :-1] = values[:, 1:]  # inside a run; run ends are overwritten below
+    firsts = values[:, plan.starts].contiguous()  # [B, runs, ...]
+    sp = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    gathered = torch.empty((sp * firsts.shape[0], *firsts.shape[1:]), dtype=firsts.dtype, device=firsts.device)
+    if sp > 1:
+        dist.all_gather_into_tensor(gathered, firsts, group=group)  # [sp·B, runs, ...], rank-major
+    else:
+        gathered.copy_(firsts)
+    gathered = gathered.view(sp, *firsts.shape)  # [sp, B, runs, ...]
+    for end, source in zip(plan.ends, plan.sources):
+        if source is None:
+            out[:, end] = fill
+        else:
+            out[:, end] = gathered[source[0], :, source[1]]
+    return out
+
+
+def shift_labels_across_shards(labels: torch.Tensor, shard: ShardInfo, group: dist.ProcessGroup,
+                               ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``[B, s]`` next-token targets of this rank's shard from the shard of ``labels`` (what Hugging Face's loss does
+    with ``labels[:, 1:]`` on a whole row): targets that are padding or start another packed document are
+    ``ignore_index``, as in the collate step's ``shift_labels``."""
+    following = next_token_values(labels, shard, group, fill=ignore_index)
+    valid = shard.target_valid.to(labels.device)  # type: ignore[union-attr]
+    return torch.where(valid, following, torch.full_like(following, ignore_index))
