@@ -573,6 +573,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         scaled = scale_gradient(closure_loss, context.loss_scale)
         try:
             super().backward(scaled, optimizer, *args, **kwargs)
+        except RuntimeError as err:
+            if self.zero_stage_3 and "invalid gradient" in str(err) and "got [0]" in str(err):
+                raise ValueError(zero3_parameters_outside_forward_error()) from err
+            raise
         finally:
             context.incoming_gradients = []  # for the next forward pass
         if self._agreement is not None:
@@ -798,6 +802,16 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         for name, (description, init_params) in names.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, **init_params)
+
+
+def zero3_parameters_outside_forward_error() -> str:
+    return (
+        "A term of the training step's loss uses model parameters outside the model's forward under ZeRO stage 3,"
+        " where parameters are partitioned across the ranks (outside a forward pass each rank holds [0]-sized"
+        " placeholders), so its gradient cannot be formed; no weight was changed. For a weight regulariser"
+        " (`sum(p.pow(2).sum() for p in self.parameters())`) use the optimizer's `weight_decay`; compute other terms"
+        " inside the model's forward (e.g. a forward hook), or train with ZeRO stage 1 or 2."
+    )
 
 
 def _loader_kind(trainer: Any) -> str:

@@ -69,6 +69,7 @@ STEPS: dict[str, Callable[[Any, dict], torch.Tensor]] = {
     "shift_labels_no_positions": lambda m, b: m.model(input_ids=b["input_ids"], labels=b["labels"],
                                                       shift_labels=b["shift_labels"]).loss,
     "regulariser": lambda m, b: m.model(**b).loss + _regulariser(m),
+    "squared_global_mean": lambda m, b: _squared_global_mean(m, b),
     "scaled_plus_token_mean_aux": lambda m, b: _scaled_plus_aux(m, b),
     "weighted_tokens": lambda m, b: m.trainer.strategy.cross_entropy(
         m.model(input_ids=b["input_ids"]).logits, b["shift_labels"],
@@ -92,6 +93,12 @@ def _scaled_plus_aux(module, batch) -> torch.Tensor:
     out = module.model(**batch)
     z = out.logits.float().logsumexp(-1).pow(2)  # [B, s] z-loss per token
     return out.loss * 0.5 + 1e-2 * module.trainer.strategy.token_mean(z)
+
+
+def _squared_global_mean(module, batch) -> torch.Tensor:
+    out = module.model(**batch)
+    mean = module.trainer.strategy.token_mean(out.logits.float().logsumexp(-1))  # the same on every rank
+    return out.loss + 1e-2 * (mean - 4.0).pow(2)
 
 
 def _token_mean_of_token_losses(module, batch) -> torch.Tensor:
