@@ -141,22 +141,27 @@ def next_token_sources(padded_len: int, sp_size: int, ring_size: int, sp_rank: i
         return [0] + [i for i in range(1, len(index)) if int(index[i]) != int(index[i - 1]) + 1]
 
     owner: dict[int, tuple[int, int]] = {}  # global start of every run -> (SP rank, run number)
+    slots = 1
     for rank in range(sp_size):
         index = index_of(rank)
-        for run, start in enumerate(run_starts(index)):
+        starts = run_starts(index)
+        slots = max(slots, len(starts))
+        for run, start in enumerate(starts):
             owner[int(index[start])] = (rank, run)
     mine = index_of(sp_rank)
     starts = run_starts(mine)
     ends = [start - 1 for start in starts[1:]] + [len(mine) - 1]
     sources = [owner.get(int(mine[end]) + 1) for end in ends]  # None: the run ends the row
-    return HaloPlan(starts, ends, sources)
+    # Every rank sends the same number of first tokens (zigzag shards have 1 or 2 runs): repeat the last start.
+    return HaloPlan(starts + [starts[-1]] * (slots - len(starts)), ends, sources)
 
 
 class HaloPlan:
     """For shifting per-token tensors by one position across shard boundaries: this rank's shard is made of
     contiguous runs of the padded row (one run, or two with the ring's zigzag layout); ``starts``/``ends`` are their
-    first/last local positions, and ``sources[i]`` is the ``(SP rank, run number)`` whose first token follows run
-    ``i`` in the row (``None`` where run ``i`` ends the row)."""
+    first/last local positions (``starts`` padded to the same length on every rank, so every rank sends as many
+    first tokens), and ``sources[i]`` is the ``(SP rank, run number)`` whose first token follows run ``i`` in the row
+    (``None`` where run ``i`` ends the row)."""
 
     __slots__ = ("starts", "ends", "sources")
 

@@ -150,6 +150,10 @@ def _dataset(case: dict) -> Dataset:
         return VarLenDataset([16, 11, 13, 16, 9, 14, 16, 12])
     if data == "weighted":
         return WeightedRows(8, 16)
+    if data == "packed":  # rows of 16 tokens packing 1-3 documents (position_ids restart at 0)
+        from tests.models import PackedDataset
+
+        return PackedDataset([[6, 10], [16], [3, 5, 8], [9, 7], [16], [4, 12], [11, 5], [8, 8]])
     return TokenDataset(case.get("num_rows", 8), case.get("seq_len", 16))
 
 

@@ -526,3 +526,28 @@ def test_fingerprint_sees_every_element_and_the_order():
     assert 0 <= base < 2**62
     fingerprinted = shard_batch({"input_ids": ids, "labels": ids}, 2, 1, fingerprint=True)["_ulysses"]
     assert fingerprinted.fingerprint == base and fingerprinted.batch_size == 2
+
+
+# ----------------------------------------------------------------------------------------------- halo plan
+@pytest.mark.parametrize("padded_len, sp, ring", [(16, 2, 1), (16, 4, 1), (16, 2, 2), (16, 4, 2), (32, 4, 4),
+                                                  (24, 3, 1), (48, 6, 3)])
+def test_next_token_sources_point_at_the_next_position_of_the_row(padded_len, sp, ring):
+    """For every layout, the token after each run of every rank's shard is found where the plan says (and the
+    last position of the row has none); every rank sends the same number of first tokens."""
+    from lightning_ulysses.data import next_token_sources
+    from lightning_ulysses.ring import shard_index
+
+    ulysses = sp // ring
+    index = {r: shard_index(padded_len, ring, ulysses, r // ulysses, r % ulysses) for r in range(sp)}
+    plans = {r: next_token_sources(padded_len, sp, ring, r) for r in range(sp)}
+    assert len({len(plan.starts) for plan in plans.values()}) == 1
+    for r, plan in plans.items():
+        for end, source in zip(plan.ends, plan.sources):
+            following = int(index[r][end]) + 1
+            if source is None:
+                assert following == padded_len
+            else:
+                src_rank, run = source
+                assert int(index[src_rank][plans[src_rank].starts[run]]) == following
+        inside = [i for i in range(len(index[r]) - 1) if i not in plan.ends]
+        assert all(int(index[r][i + 1]) == int(index[r][i]) + 1 for i in inside)

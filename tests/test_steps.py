@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.launcher import launch
-from tests.models import SEED, build_llama, pad_right_collate, tiny_llama_config
+from tests.models import SEED, build_llama, documents_as_rows, pad_right_collate, tiny_llama_config
 from tests.scenarios_steps import _dataset
 
 LR = 0.5
@@ -102,7 +102,10 @@ def train_reference(case: dict) -> dict:
     collate = pad_right_collate if case.get("data") == "padded" else torch.utils.data.default_collate
     losses = []
     for rows in reference_windows(case, len(dataset)):
-        batch = collate([dataset[i] for i in rows])
+        if case.get("data") == "packed":  # the same documents, each its own row
+            batch = documents_as_rows(dataset, rows)
+        else:
+            batch = collate([dataset[i] for i in rows])
         loss = REFERENCE[case["reference"]](model, batch)
         loss.backward()
         optimizer.step()
@@ -144,6 +147,13 @@ EXACT = [
     *(_exact(step, stage, data="weighted", batch_size=2, global_batch=2) for stage in (2, 3)
       for step in ("weighted_tokens", "token_mean_of_token_losses")),
     *(_exact("model_loss", stage, manual=True, name=f"manual-zero{stage}") for stage in (2, 3)),
+    # labels shifted across the zigzag shards of ring attention (two runs per rank), and across packed documents
+    _exact("labels_no_positions", 2, "model_loss", name="labels_no_positions-ring2-zero2",
+           strategy={"ring_size": 2}),
+    _exact("weighted_tokens", 3, data="weighted", batch_size=2, global_batch=2, name="weighted_tokens-ring2-zero3",
+           strategy={"ring_size": 2}),
+    *(_exact("labels_no_positions", stage, "mask_and_labels", data="packed", name=f"packed-no-positions-zero{stage}",
+             strategy={"sdpa_per_document": True}) for stage in (2, 3)),
     # 8 batches per epoch, windows of 3: Lightning steps after batches 3, 6, 8 of every epoch (one device: 11
     # micro-batches for 4 steps); DeepSpeed's own counter used to run across epochs (14 micro-batches).
     *(_exact("model_loss", stage, name=f"accumulate3-zero{stage}", trainer={"accumulate_grad_batches": 3})
@@ -167,12 +177,12 @@ REFUSED = {
 REFUSED_CASES = [{"name": f"{step}-zero{stage}", "step": step, "stage": stage}
                  for step in REFUSED for stage in (2, 3)]
 REFUSED_CASES.append({"name": "regulariser-zero3", "step": "regulariser", "stage": 3})
+REFUSED_CASES += [{"name": f"per_shard_cross_entropy-manual-zero{stage}", "step": "per_shard_cross_entropy",
+                   "stage": stage, "manual": True} for stage in (2, 3)]
 
-GENERATION = [
-    {"name": "generate-all-zero2", "step": "model_loss", "stage": 2, "generate": "all", "max_steps": 2},
-    {"name": "generate-all-zero3", "step": "model_loss", "stage": 3, "generate": "all", "max_steps": 2},
-    {"name": "generate-rank0-zero2", "step": "model_loss", "stage": 2, "generate": "rank0", "max_steps": 2},
-]
+GENERATION = [{"name": f"generate-{ranks}-zero{stage}", "step": "model_loss", "stage": stage, "generate": ranks,
+               "max_steps": 2} for ranks, stages in (("all", (0, 1, 2, 3)), ("rank0", (0, 1, 2))) for stage in stages]
+GENERATION_NAMES = [case["name"] for case in GENERATION]
 
 
 @pytest.fixture(scope="module")
@@ -181,10 +191,34 @@ def results():
     return {name: [r[name] for r in by_rank] for name in by_rank[0]}
 
 
+# DP × SP (4 processes: 2 replicas of 2 SP ranks): the gradient factors involve dp, and the sample order too.
+DP_EXACT = [
+    _exact("regulariser", 2, name="regulariser-dp2-zero2", global_batch=2),
+    _exact("labels_no_positions", 3, "model_loss", name="labels_no_positions-dp2-zero3", global_batch=2),
+    _exact("weighted_tokens", 3, data="weighted", batch_size=2, global_batch=4, name="weighted_tokens-dp2-zero3"),
+    _exact("model_loss", 2, name="accumulate3-dp2-zero2", global_batch=2, trainer={"accumulate_grad_batches": 3}),
+]
+DP_EXACT_NAMES = [case["name"] for case in DP_EXACT]
+
+
+@pytest.fixture(scope="module")
+def dp_results():
+    by_rank = launch(4, "tests.scenarios_steps:run", {"cases": DP_EXACT}, timeout=900)
+    return {name: [r[name] for r in by_rank] for name in by_rank[0]}
+
+
+@pytest.mark.parametrize("name", DP_EXACT_NAMES)
+def test_training_step_trains_like_one_device_with_data_parallel_replicas(dp_results, name):
+    check_exact(DP_EXACT[DP_EXACT_NAMES.index(name)], dp_results[name])
+
+
 @pytest.mark.parametrize("name", EXACT_NAMES)
 def test_training_step_trains_like_one_device(results, name):
-    case = EXACT[EXACT_NAMES.index(name)]
-    ranks = results[name]
+    check_exact(EXACT[EXACT_NAMES.index(name)], results[name])
+
+
+def check_exact(case: dict, ranks: list[dict]) -> None:
+    name = case["name"]
     for r in ranks:
         assert r["error_type"] is None, r["message"]
         assert r["global_step"] == case.get("max_steps", STEPS)
@@ -192,7 +226,7 @@ def test_training_step_trains_like_one_device(results, name):
     micro_batches = sum(len(w) for w in reference_windows(case, 8)) // case.get("global_batch", 1)
     assert ranks[0]["steps"] == micro_batches  # the micro-batches one device consumes for these optimizer steps
     if "accumulate_grad_batches" not in case.get("trainer", {}):
-        assert ranks[0]["losses"] == ranks[1]["losses"]  # the same number on every rank
+        assert all(r["losses"] == ranks[0]["losses"] for r in ranks)  # the same number on every rank
         losses = torch.tensor(ranks[0]["losses"], dtype=torch.float64)
         expected = torch.tensor(reference["losses"], dtype=torch.float64)
         assert ((losses - expected).abs() / expected.abs()).max() <= REL_TOL, (losses, expected)
@@ -206,7 +240,7 @@ def test_training_step_trains_like_one_device(results, name):
 
 @pytest.mark.parametrize("name", [case["name"] for case in REFUSED_CASES])
 def test_wrong_training_step_stops_every_rank_before_a_weight_changes(results, name):
-    step = name.rsplit("-zero", 1)[0]
+    step = name.rsplit("-zero", 1)[0].replace("-manual", "")
     if name == "regulariser-zero3":
         error_type, phrases = "ValueError", ("ZeRO stage 3", "partitioned", "weight_decay")
     else:
@@ -222,7 +256,7 @@ def test_wrong_training_step_stops_every_rank_before_a_weight_changes(results, n
             assert r["weights_unchanged"]
 
 
-@pytest.mark.parametrize("name", ["generate-all-zero2", "generate-all-zero3", "generate-rank0-zero2"])
+@pytest.mark.parametrize("name", GENERATION_NAMES)
 def test_generate_during_fit(results, name):
     ranks = results[name]
     for r in ranks:
