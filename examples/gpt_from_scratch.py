@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +85,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if position_ids is None:  # one device: 0..T-1; under the strategy it passes the shard's global positions
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         x = self.tok_emb(input_ids) + self.pos_emb(position_ids)  # global positions, also on a shard
         for block in self.blocks:
             x = block(x)

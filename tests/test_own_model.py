@@ -23,6 +23,9 @@ WRAPPER_2 = [dict(B=2, S=16, Hq=hq, Hkv=hkv, causal=c) for hq, hkv in [(4, 4), (
 WRAPPER_4 = [dict(B=1, S=16, Hq=hq, Hkv=hkv, causal=True) for hq, hkv in [(6, 6), (6, 3), (8, 2), (4, 1), (5, 5)]]
 GPT_RUNS = [dict(stage=stage, heads=heads, kv_heads=kv, sp_size=2, steps=4, seq_len=32, num_rows=4, lr=0.5)
             for stage, heads, kv in [(2, 4, 2), (3, 4, 2), (2, 3, 3)]]
+# The step calls `gpt(input_ids)`: the GPT's default positions (0..T-1) would restart on every shard; the strategy
+# passes the shard's global positions to the module around the attention cores whose forward takes `position_ids`.
+GPT_RUNS.append(dict(GPT_RUNS[0], omit_positions=True))
 HF_UNEVEN_2 = [_run(2, 3, sp_size=2, batch_size=1, num_rows=4, num_heads=3)]
 HF_UNEVEN_4 = [_run(2, 6, sp_size=4, batch_size=1, num_rows=4, num_heads=6),
                _run(3, 3, sp_size=4, batch_size=1, num_rows=4, num_heads=6)]
@@ -79,7 +82,8 @@ def gpt_reference(run):
 
 
 @pytest.mark.parametrize("index", range(len(GPT_RUNS)),
-                         ids=[f"zero{r['stage']}-{r['heads']}heads" for r in GPT_RUNS])
+                         ids=[f"zero{r['stage']}-{r['heads']}heads" + ("-no-positions" if r.get("omit_positions")
+                                                                        else "") for r in GPT_RUNS])
 def test_gpt_from_scratch_matches_single_device(two, index):
     run = GPT_RUNS[index]
     losses, weights, initial = gpt_reference(run)
