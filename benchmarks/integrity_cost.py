@@ -3,13 +3,14 @@
     python benchmarks/integrity_cost.py                 # CPU: 2 processes, sp=2, S=4096, about 3 minutes
     python benchmarks/integrity_cost.py --seq-len 32768 --hidden 1024 --layers 8     # on 2 GPUs
 
-1. **Agreement check, end to end**: the same fit (tiny Llama, sp=2, ZeRO 2, SGD) with
-   ``check_sp_agreement=False`` and ``True``, interleaved ``--repeat`` times in the same two processes; median step
-   time of each (the first 2 steps of every fit are skipped).
-2. **Its parts**: ``batch_fingerprint`` of a full ``[1, S]`` batch (``input_ids`` + ``labels``; it runs in the
-   collate step, i.e. in the DataLoader workers when there are any) and the all-reduce of 6 int64 over the SP group
-   (median of 500). Their sum over the measured step time is the check's share of a step; end-to-end differences
-   below ~2% are under this machine's noise.
+1. **Agreement checks, end to end**: the same fit (tiny Llama, sp=2, ZeRO 2, SGD) with
+   ``check_sp_agreement=False`` and ``True`` (the batch check before every step and the loss check after every
+   backward), interleaved ``--repeat`` times in the same two processes; median step time of each (the first 2 steps
+   of every fit are skipped).
+2. **Their parts**: ``batch_fingerprint`` of a full ``[1, S]`` batch (``input_ids`` + ``labels``; it runs in the
+   collate step, i.e. in the DataLoader workers when there are any), the batch check's all-reduce of 6 int64 and the
+   loss check's all-reduce of 8 float64 over the SP group (medians of 500). Their sum over the measured step time is
+   the checks' share of a step; end-to-end differences below ~2% are under this machine's noise.
 3. **Checkpoint digests**: SHA-256 of a 1 GiB file just written (``hashlib.file_digest``) next to ``torch.save`` of
    the same bytes: GB/s and the ratio. Each rank hashes 1/world of a checkpoint's files.
 
@@ -86,21 +87,27 @@ def worker(args) -> None:
             trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=1))
             step_times[setting].extend(timer.times[2:])
 
-    # The check's collective alone: 6 int64, MAX, over the SP group (here: the whole world).
+    # The checks' collectives alone, MAX over the SP group (here: the whole world): the batch check's 6 int64 and
+    # the loss check's 8 float64.
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    values = torch.zeros(6, dtype=torch.int64, device=device)
-    for _ in range(20):
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    samples = []
-    for _ in range(500):
-        start = time.perf_counter()
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        if cuda:
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - start)
+
+    def median_all_reduce(values: torch.Tensor) -> float:
+        for _ in range(20):
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        samples = []
+        for _ in range(500):
+            start = time.perf_counter()
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+            if cuda:
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    batch_check = median_all_reduce(torch.zeros(6, dtype=torch.int64, device=device))
+    loss_check = median_all_reduce(torch.zeros(8, dtype=torch.float64, device=device))
     if dist.get_rank() == 0:
-        Path(args.result).write_text(json.dumps({"step_times": step_times,
-                                                 "all_reduce_s": statistics.median(samples)}))
+        Path(args.result).write_text(json.dumps({"step_times": step_times, "all_reduce_s": batch_check,
+                                                 "loss_all_reduce_s": loss_check}))
 
 
 def fingerprint_cost(seq_len: int) -> float:
@@ -172,19 +179,21 @@ def main() -> None:
     off = statistics.median(measured["step_times"]["off"])
     on = statistics.median(measured["step_times"]["on"])
     fingerprint_s = fingerprint_cost(args.seq_len)
-    parts_share = (fingerprint_s + measured["all_reduce_s"]) / off
+    parts_share = (fingerprint_s + measured["all_reduce_s"] + measured["loss_all_reduce_s"]) / off
     digests = digest_cost(args.digest_mib * 2**20)
     summary = {
         "seq_len": args.seq_len, "procs": args.procs, "hidden": args.hidden, "layers": args.layers,
         "step_s_check_off": off, "step_s_check_on": on, "end_to_end_overhead": on / off - 1,
         "fingerprint_ms": fingerprint_s * 1e3, "fingerprint_ns_per_token": fingerprint_s / args.seq_len * 1e9,
-        "all_reduce_ms": measured["all_reduce_s"] * 1e3, "check_share_of_step": parts_share, **digests,
+        "all_reduce_ms": measured["all_reduce_s"] * 1e3, "loss_all_reduce_ms": measured["loss_all_reduce_s"] * 1e3,
+        "check_share_of_step": parts_share, **digests,
     }
     (OUT / "integrity_cost.json").write_text(json.dumps(summary, indent=1))
     print(f"S={args.seq_len}, sp={args.procs}: median step {off * 1e3:.1f} ms with the check off,"
           f" {on * 1e3:.1f} ms on ({100 * (on / off - 1):+.2f}% end to end)")
     print(f"  fingerprint of the full batch {fingerprint_s * 1e3:.3f} ms ({summary['fingerprint_ns_per_token']:.1f}"
-          f" ns/token) + all-reduce of 6 int64 {measured['all_reduce_s'] * 1e3:.3f} ms"
+          f" ns/token) + batch check all-reduce of 6 int64 {measured['all_reduce_s'] * 1e3:.3f} ms"
+          f" + loss check all-reduce of 8 float64 {measured['loss_all_reduce_s'] * 1e3:.3f} ms"
           f" = {100 * parts_share:.3f}% of a step")
     print(f"  checkpoint digests: SHA-256 {digests['sha256_GBps']:.2f} GB/s ({digests['sha256_seconds_per_GB']:.2f}"
           f" s/GB, per rank on its share); torch.save {digests['save_GBps']:.2f} GB/s; hash/save"

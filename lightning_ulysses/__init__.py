@@ -7,12 +7,12 @@ training is the one a single device would run. Importing this package registers 
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_ulysses.agreement import SPPeerMismatchError, batch_fingerprint
-
+from lightning_ulysses.agreement import SPLossMismatchError, SPPeerMismatchError, batch_fingerprint
 from lightning_ulysses.attention import UlyssesAttention, ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelThroughputMonitor
 from lightning_ulysses.checkpoint import checkpoint_status, export_checkpoint, find_last_complete_checkpoint
 from lightning_ulysses.data import SequenceShardingCollate, shard_batch
+from lightning_ulysses.generation import GenerationRendezvousError
 from lightning_ulysses.layout import SequenceParallelLayout
 from lightning_ulysses.loss import sequence_parallel_cross_entropy
 from lightning_ulysses.metrics import PositionalLoss, TokenWeightedLoss, TokenWeightedPerplexity
@@ -23,8 +23,10 @@ from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
 UlyssesDeepSpeedStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "GenerationRendezvousError",
     "PasskeyRetrieval",
     "PositionalLoss",
+    "SPLossMismatchError",
     "SPPeerMismatchError",
     "SequenceParallelLayout",
     "SequenceParallelThroughputMonitor",

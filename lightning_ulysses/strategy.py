@@ -100,8 +100,11 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             ``[B, S, ...]`` on every rank of the SP group. ``False`` keeps each rank's shard (saves memory).
         check_sp_agreement: before every step, the ranks of each SP group verify that they hold the same full batch
             (a digest of the full batch taken in the collate step, compared with one all-reduce of 6 integers over
-            the SP group), and a loader that runs out of batches on one peer but not on another stops all of them.
-            A mismatch raises on every rank. Turn off only if your peers provably read the same data.
+            the SP group), and a loader that runs out of batches on one peer but not on another stops all of them;
+            after every backward pass, before the optimizer step, they verify that they back-propagated the same
+            loss through the same use of the strategy's SP losses (one all-reduce of 8 numbers; catches losses
+            averaged over a shard and hand-made cross-rank weightings). A mismatch raises on every rank. Turn off
+            only if your peers provably read the same data and your loss is the same on every rank.
         verify_checkpoints: record every checkpoint file's SHA-256 in the completion marker when saving (each rank
             hashes a share of the files) and check them before resuming or evaluating from a checkpoint; a file
             whose bytes changed is refused. ``False`` skips the hashing on both sides (sizes are still checked).
