@@ -76,6 +76,15 @@ class AttentionShapeSpy:
         F.scaled_dot_product_attention = self._original
 
 
+def run_cases(cases: list[dict], fit) -> dict:
+    """``{case["name"]: fit(case)}`` for every case, one Trainer after the other in this process."""
+    results = {}
+    for case in cases:
+        os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)  # Lightning's teardown removes it after every fit
+        results[case["name"]] = fit(case)
+    return results
+
+
 def make_trainer(strategy, max_steps: int, callbacks=(), **kwargs) -> Trainer:
     defaults = dict(
         accelerator="cpu",

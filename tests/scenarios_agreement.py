@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
 from tests.models import SEED, VOCAB, CausalLM, TokenDataset, tiny_llama_config
-from tests.scenarios import LAUNCH_WORLD_SIZE, make_trainer
+from tests.scenarios import make_trainer, run_cases
 
 
 class RankSplitStream(IterableDataset):
@@ -175,8 +175,4 @@ def _fit(case: dict) -> dict:
 
 
 def run(payload: dict) -> dict:
-    results = {}
-    for case in payload["cases"]:
-        os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)  # Lightning's teardown removes it after every fit
-        results[case["name"]] = _fit(case)
-    return results
+    return run_cases(payload["cases"], _fit)

@@ -8,7 +8,6 @@ many optimizer steps and micro-batches ran, and what a generation callback produ
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
@@ -20,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
 from tests.models import SEED, VOCAB, CausalLM, TokenDataset, VarLenDataset, pad_right_collate, tiny_llama_config
-from tests.scenarios import LAUNCH_WORLD_SIZE, Recorder, make_trainer
+from tests.scenarios import Recorder, make_trainer, run_cases
 
 
 class WeightedRows(Dataset):
@@ -219,8 +218,4 @@ def _fit(case: dict) -> dict:
 
 
 def run(payload: dict) -> dict:
-    results = {}
-    for case in payload["cases"]:
-        os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)  # Lightning's teardown removes it after every fit
-        results[case["name"]] = _fit(case)
-    return results
+    return run_cases(payload["cases"], _fit)
