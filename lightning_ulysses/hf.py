@@ -9,6 +9,7 @@ all of it, so a model is plain again after ``trainer.fit`` and two Trainers can 
 from __future__ import annotations
 
 import functools
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -19,6 +20,12 @@ from torch import nn
 from lightning_ulysses.calls import install_call_completion, remove_call_completion
 from lightning_ulysses.context import ShardInfo, StepContext
 from lightning_ulysses.exchange import head_to_sequence_shards, sequence_to_head_shards
+from lightning_ulysses.mixers import (
+    find_sequence_mixers,
+    uncovered_sequence_convolutions,
+    unwrap_sequence_mixer,
+    wrap_sequence_mixer,
+)
 from lightning_ulysses.loss import SequenceParallelLossFunction
 from lightning_ulysses.ring import causal_window_mask, ring_attention
 
@@ -76,6 +83,12 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str, ring_size: 
             + (" On CPU only 'sdpa' runs, which this model does not support." if "sdpa" not in usable else "")
         )
     refuse_unsupported_architecture(model)
+    if ring_size > 1 and sequence_mixers(model):
+        raise ValueError(
+            f"{name} has sequence mixers other than attention ({sorted({type(m).__name__ for m in sequence_mixers(model)})}),"
+            f" which run on the whole sequence gathered over the SP group; with ring_size={ring_size} the shards are"
+            " not contiguous. Use ring_size=1 for this architecture."
+        )
     if ring_size > 1:
         if impl != "sdpa":
             raise ValueError(
@@ -119,9 +132,25 @@ def supported_implementations(model: nn.Module) -> list[str]:
 
 
 _ATTENTION_LAYER_KINDS = {"full_attention", "sliding_attention"}
-# Sequence mixers other than attention (recurrences, state-space models, convolutions over the sequence).
-_NON_ATTENTION_MIXERS = ("mamba", "gateddeltanet", "deltanet", "linearattention", "lightningattention", "shortconv",
-                         "rwkv", "recurrent", "ssm", "rglru")
+# Class names of sequence mixers other than attention; any of them that the mixer exchange does not take (found by
+# structure, see lightning_ulysses.mixers) is refused.
+_MIXER_CLASS = re.compile(r"(mixer|deltanet|deltaattention|shortconv|linearattention|lightningattention|recurrent\w*"
+                          r"|rglru\w*|rwkv\w*|ssm)$", re.IGNORECASE)
+
+
+def sequence_mixers(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that mix the sequence without attention and run whole under SP
+    (:mod:`lightning_ulysses.mixers`)."""
+    return find_sequence_mixers(model, _uses_attention_interface)
+
+
+def _uses_attention_interface(module: nn.Module) -> bool:
+    """An attention module that the Ulysses exchange serves (through transformers' interface or direct SDPA)."""
+    if not re.search(r"Attention\d*$", type(module).__name__):
+        return False
+    source = _forward_source(module) or ""
+    return ("ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+            or "scaled_dot_product_attention(" in source)
 
 
 def refuse_unsupported_architecture(model: nn.Module) -> None:
@@ -140,19 +169,24 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
         for key in ("layer_types", "layers_block_type"):
             kinds.update(str(kind) for kind in (getattr(config, key, None) or []))
     other_kinds = sorted(kinds - _ATTENTION_LAYER_KINDS)
-    mixers = sorted({f"{module_name} ({type(module).__name__})" for module_name, module in model.named_modules()
-                     if _is_non_attention_mixer(module)})
-    if other_kinds or mixers:
+    mixers = sequence_mixers(model)
+    covered = {id(m) for mixer in mixers for m in mixer.modules()}
+    unknown = sorted({f"{module_name} ({type(module).__name__})" for module_name, module in model.named_modules()
+                      if id(module) not in covered and _MIXER_CLASS.search(type(module).__name__)})
+    unknown += uncovered_sequence_convolutions(model, mixers)
+    if unknown or (other_kinds and not mixers):
         raise ValueError(
             f"{name} mixes the sequence outside attention"
-            + (f" (layer kinds {other_kinds})" if other_kinds else "")
-            + (f" in {mixers[:4]}{' ...' if len(mixers) > 4 else ''}" if mixers else "")
-            + ". Under sequence parallelism those layers would see only this rank's shard of the sequence (a"
-            " recurrence restarting at every shard, a convolution missing the previous shard's tokens) and train a"
-            " different model without an error. UlyssesDeepSpeedStrategy shards attention only: train this"
-            " architecture with sp_size=1."
+            + (f" (layer kinds {other_kinds})" if other_kinds and not mixers else "")
+            + (f" in {unknown[:4]}{' ...' if len(unknown) > 4 else ''}" if unknown else "")
+            + " in a way the strategy does not recognise (a sequence mixer owns an `A_log` parameter, a depthwise"
+            " `nn.Conv1d` over the sequence or lightning attention's decay buffers). Under sequence parallelism"
+            " those layers would see only this rank's shard of the sequence (a recurrence restarting at every"
+            " shard, a convolution missing the previous shard's tokens) and train a different model without an"
+            " error: train this architecture with sp_size=1."
         )
-    bypassing = [module for module in model.modules() if _bypasses_attention_interface(module)]
+    bypassing = [module for module in model.modules()
+                 if id(module) not in covered and _bypasses_attention_interface(module)]
     if bypassing:
         classes = sorted({type(module).__name__ for module in bypassing})
         impl = attention_implementation(model)
@@ -181,13 +215,6 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
                 " gradients differ from the whole batch's (and between ranks). Set `output_router_logits=False`"
                 " (or `router_aux_loss_coef=0`) for training under SP."
             )
-
-
-def _is_non_attention_mixer(module: nn.Module) -> bool:
-    if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
-        return True
-    lowered = type(module).__name__.lower()
-    return any(pattern in lowered for pattern in _NON_ATTENTION_MIXERS)
 
 
 # Architectures whose attention takes inputs the exchange cannot shard, known before any compute (the attention
@@ -236,6 +263,7 @@ class _SavedModelState:
     loss_function: Any
     marked_modules: list[nn.Module] = field(default_factory=list)
     direct_sdpa_modules: list[nn.Module] = field(default_factory=list)
+    mixers: list[nn.Module] = field(default_factory=list)
     hooks: list[Any] = field(default_factory=list)
 
 
@@ -264,6 +292,9 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
             saved.direct_sdpa_modules = direct
         elif not impl.startswith(_PREFIX):
             config._attn_implementation = _PREFIX + impl  # also sets the sub-configs
+        saved.mixers = sequence_mixers(model)
+        for mixer in saved.mixers:
+            wrap_sequence_mixer(mixer, context)
         if saved.use_cache is not None:
             config.use_cache = False  # a KV cache of one shard is useless and would size masks wrongly
         model.__dict__[_SAVED] = saved
@@ -303,6 +334,8 @@ def restore_model(model: nn.Module) -> None:
         module.__dict__.pop(_CONTEXT_ATTR, None)
     for module in saved.direct_sdpa_modules:
         module.__dict__.pop("forward", None)
+    for mixer in saved.mixers:
+        unwrap_sequence_mixer(mixer)
     for hook in saved.hooks:
         hook.remove()
     remove_call_completion(model)

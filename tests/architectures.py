@@ -64,15 +64,14 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "exaone4_window": {"type": "exaone4", "config": {"sliding_window": WINDOW, "layer_types": MIXED}},
     "ministral_window": {"type": "ministral", "config": {"sliding_window": WINDOW, "layer_types": MIXED}},
     "olmo3_window": {"type": "olmo3", "config": {"sliding_window": WINDOW, "layer_types": MIXED}},
-    # refused before compute
+    # sequence mixers other than attention (run on the whole sequence, lightning_ulysses.mixers)
     "qwen3_next": {"type": "qwen3_next", "config": {**MOE, "layer_types": ["linear_attention", "full_attention"],
                                                     "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                                                    "linear_key_head_dim": 16, "linear_value_head_dim": 16},
-                   "expect": "linear_attention"},
-    "lfm2": {"type": "lfm2", "config": {"layer_types": ["conv", "full_attention"]}, "expect": "conv"},
+                                                    "linear_key_head_dim": 16, "linear_value_head_dim": 16}},
+    "lfm2": {"type": "lfm2", "config": {"layer_types": ["conv", "full_attention"]}},
     "minimax": {"type": "minimax", "config": {"layer_types": ["linear_attention", "full_attention"],
-                                              "num_local_experts": 4, "num_experts_per_tok": 2},
-                "expect": "linear_attention"},
+                                              "num_local_experts": 4, "num_experts_per_tok": 2}},
+    # refused before compute
     "qwen3_moe_aux_loss": {"type": "qwen3_moe", "config": {**MOE, "output_router_logits": True},
                            "expect": "output_router_logits"},
     "qwen3_moe_aux_loss_in_forward": {"type": "qwen3_moe", "config": MOE, "forward": {"output_router_logits": True},

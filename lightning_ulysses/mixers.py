@@ -1,0 +1,161 @@
+"""Sequence mixers other than attention (gated delta nets, Mamba/SSM mixers, short convolutions, lightning attention)
+under SP: exact by running each mixer on the whole sequence.
+
+A mixer's recurrence or convolution needs every earlier token of the sequence, which a shard does not have. The
+exchange here gives it the whole sequence: before the mixer, one all-gather over the SP group turns this rank's
+``[B, s, H]`` input into the full ``[B, S, H]``; the mixer's **own** forward (its projections, its convolution and
+scan kernels: transformers' torch fallbacks on CPU, ``fla`` / ``mamba_ssm`` / ``causal_conv1d`` on CUDA when
+installed) runs on it; this rank keeps its ``[B, s, H]`` slice of the output. In backward the gradients of the full
+input are summed over the SP group and scattered back (one reduce-scatter). So a mixer layer costs one all-gather
+forward and one reduce-scatter backward, and is exact by construction (the module computes what it computes on one
+device) for every family, Mamba1's ``x_proj`` included. The price: every SP rank computes the whole mixer layer, so
+its activations and compute are not divided by ``sp`` (attention and MLP layers still are).
+
+Packed documents (``position_ids`` restarting at 0): the mixer runs once per document, so no recurrence or
+convolution crosses a document start, as separate rows on one device would.
+
+Mixers are found by what a module *is*: it owns an ``A_log`` parameter (state-space decay: Mamba, gated delta
+nets), has a depthwise ``nn.Conv1d`` child over the sequence (kernel > 1: Mamba's and the delta nets' causal
+convolutions, short convolutions), or holds lightning attention's ``slope_rate`` buffer; and it contains no attention
+module of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ulysses.context import StepContext
+
+_ORIGINAL = "_ulysses_mixer_forward"
+_HIDDEN_NAMES = ("hidden_states", "input_states", "x")
+_MASK_NAMES = ("attention_mask", "mask")
+
+
+def is_sequence_mixer(module: nn.Module) -> bool:
+    """Whether ``module`` mixes the sequence by a recurrence or a convolution (see the module docstring)."""
+    own_parameters = dict(module.named_parameters(recurse=False))
+    own_buffers = dict(module.named_buffers(recurse=False))
+    if "A_log" in own_parameters or "slope_rate" in own_buffers:
+        return True
+    return any(isinstance(child, nn.Conv1d) and child.kernel_size[0] > 1 and child.groups == child.in_channels
+               for child in module.children())
+
+
+def find_sequence_mixers(model: nn.Module, is_attention: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The outermost sequence mixers of ``model`` that hold no attention module (``is_attention``)."""
+    found: list[nn.Module] = []
+    covered: set[int] = set()
+    for module in model.modules():
+        if id(module) in covered or not is_sequence_mixer(module):
+            continue
+        if any(is_attention(m) for m in module.modules()):
+            continue
+        found.append(module)
+        covered.update(id(m) for m in module.modules())
+    return found
+
+
+def uncovered_sequence_convolutions(model: nn.Module, mixers: list[nn.Module]) -> list[str]:
+    """Names of convolutions over the sequence that no wrapped mixer contains (they would see only the shard)."""
+    covered = {id(m) for mixer in mixers for m in mixer.modules()}
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1 and id(module) not in covered]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """``[B, s, ...]`` shards of the SP group -> ``[B, sp·s, ...]`` (rank-major along the sequence); backward: the
+    full gradient summed over the group, this rank's ``[B, s, ...]`` slice kept (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        sp = dist.get_world_size(group)
+        shard = shard.contiguous()
+        pieces = shard.new_empty((sp * shard.shape[0], *shard.shape[1:]))
+        dist.all_gather_into_tensor(pieces, shard, group=group)  # [sp·B, s, ...], rank-major
+        B, s = shard.shape[:2]
+        return pieces.view(sp, B, s, *shard.shape[2:]).transpose(0, 1).reshape(B, sp * s, *shard.shape[2:])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        group = ctx.group
+        sp = dist.get_world_size(group)
+        B, S = grad.shape[:2]
+        s = S // sp
+        chunks = grad.reshape(B, sp, s, *grad.shape[2:]).transpose(0, 1).contiguous()  # [sp, B, s, ...]
+        out = grad.new_empty((B, s, *grad.shape[2:]))
+        dist.reduce_scatter_tensor(out, chunks.view(sp * B, s, *grad.shape[2:]), group=group)  # sum over ranks
+        return out, None
+
+
+def gather_sequence_differentiable(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[B, s, ...]`` -> ``[B, S, ...]`` over the SP group, with the reduce-scatter as its backward."""
+    return _GatherSequence.apply(shard, group)
+
+
+def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
+    """Make ``module`` run on the whole sequence under SP (see the module docstring). Idempotent; undone by
+    :func:`unwrap_sequence_mixer`."""
+    if _ORIGINAL in module.__dict__:
+        return
+    original = type(module).forward
+    module.__dict__[_ORIGINAL] = original
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        group = context.exchange_group
+        if context.plain or context.shard is None or dist.get_world_size(group) == 1:
+            return original(module, *args, **kwargs)
+        args, kwargs, hidden = _take_hidden(args, kwargs)
+        for name in _MASK_NAMES:  # a padding mask of the shard: right padding needs none (the mixers are causal)
+            if isinstance(kwargs.get(name), torch.Tensor):
+                kwargs[name] = None
+        full = gather_sequence_differentiable(hidden, group)  # [B, S, H]
+        shard = context.shard
+        if shard.packed:
+            output = _per_document(lambda x: original(module, x, *args, **kwargs), full, shard.cu_seqlens)
+        else:
+            output = original(module, full, *args, **kwargs)
+        rank, s = dist.get_rank(group), hidden.shape[1]
+        return _own_slice(output, full.shape[:2], slice(rank * s, (rank + 1) * s))
+
+    module.__dict__["forward"] = forward
+
+
+def unwrap_sequence_mixer(module: nn.Module) -> None:
+    if module.__dict__.pop(_ORIGINAL, None) is not None:
+        module.__dict__.pop("forward", None)
+
+
+def _take_hidden(args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.Tensor]:
+    if args and isinstance(args[0], torch.Tensor):
+        return args[1:], dict(kwargs), args[0]
+    kwargs = dict(kwargs)
+    for name in _HIDDEN_NAMES:
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return args, kwargs, kwargs.pop(name)
+    raise TypeError("A sequence mixer was called without its hidden states as the first argument.")
+
+
+def _per_document(run: Callable[[torch.Tensor], Any], full: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> Any:
+    """``run`` on every packed document of ``full`` ``[B, S, H]`` separately (offsets in the flattened ``[B·S]``);
+    the outputs (tensor, or tuple whose first item is the tensor) put back together as ``[B, S, ...]``."""
+    B, S = full.shape[:2]
+    flat = full.reshape(1, B * S, *full.shape[2:])  # [1, B·S, H]
+    bounds = cu_seqlens.tolist()  # type: ignore[union-attr]
+    outputs = [run(flat[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    first = [o[0] if isinstance(o, tuple) else o for o in outputs]
+    joined = torch.cat(first, dim=1).reshape(B, S, *first[0].shape[2:])  # [B, S, ...]
+    return (joined, *outputs[-1][1:]) if isinstance(outputs[-1], tuple) else joined
+
+
+def _own_slice(output: Any, full_shape: torch.Size, own: slice) -> Any:
+    """This rank's positions of the mixer's output (a tensor, or a tuple whose first item is)."""
+    if isinstance(output, torch.Tensor) and tuple(output.shape[:2]) == tuple(full_shape):
+        return output[:, own]
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (_own_slice(output[0], full_shape, own), *output[1:])
+    raise TypeError(f"A sequence mixer returned {type(output).__name__}, not its [B, S, ...] output.")
