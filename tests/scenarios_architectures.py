@@ -60,3 +60,29 @@ def run(payload: dict) -> dict:
         os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)  # Lightning's teardown removes it after every fit
         results[name] = _fit(name, payload["steps"], payload["lr"])
     return results
+
+
+def mixer_collectives(payload: dict) -> dict:
+    """Collectives of one training step of ``payload["arch"]`` with ``m`` mixer layers and one attention layer, for
+    every ``m`` in ``payload["mixer_layers"]`` (forward inside the step, backward around DeepSpeed's backward)."""
+    from lightning.pytorch import seed_everything
+    from transformers import AutoModelForCausalLM
+
+    from tests.architectures import build_config
+    from tests.models import SEED, TokenDataset
+    from tests.scenarios import CountingCausalLM, tiny_llama_config
+
+    out = {}
+    for m in payload["mixer_layers"]:
+        os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
+        seed_everything(SEED, verbose=False)
+        config = build_config(payload["arch"])
+        config.layer_types = [payload["mixer_kind"]] * m + ["full_attention"]
+        config.num_hidden_layers = m + 1
+        module = CountingCausalLM(tiny_llama_config(num_kv_heads=2), dataset=TokenDataset(2, 32))
+        torch.manual_seed(0)
+        module.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=2), max_steps=1)
+        trainer.fit(module)
+        out[m] = {"forward": module.forward_counts, "backward": module.backward_counts}
+    return out

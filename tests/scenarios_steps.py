@@ -126,6 +126,10 @@ class StepModule(CausalLM):
         self.case = case
         self.steps = 0
         self.automatic_optimization = not case.get("manual", False)
+        if case.get("arch"):  # another architecture of tests/architectures.py (e.g. a hybrid with sequence mixers)
+            from tests.architectures import build_model
+
+            self.model = build_model(case["arch"])
 
     def train_dataloader(self) -> DataLoader:
         collate = pad_right_collate if self.case.get("data") == "padded" else None

@@ -94,8 +94,12 @@ def reference_windows(case: dict, num_rows: int) -> list[list[int]]:
 
 
 def train_reference(case: dict) -> dict:
-    config = tiny_llama_config(num_kv_heads=2)
-    model = build_llama(config, init_seed=0)
+    if case.get("arch"):
+        from tests.architectures import build_model
+
+        model = build_model(case["arch"])
+    else:
+        model = build_llama(tiny_llama_config(num_kv_heads=2), init_seed=0)
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     dataset = _dataset(case)

@@ -1,0 +1,70 @@
+"""Hybrid models (gated delta nets, Mamba2, short convolutions, lightning attention next to attention layers) under
+SP: exact against one device at ZeRO 2 and 3, with packed documents, with DP × SP, and the exchange of a mixer layer
+counted (one all-gather forward, one reduce-scatter backward).
+
+The architecture matrix (``tests/test_architectures.py``) trains every family at ZeRO 2; this file adds the
+harder settings, through the harness of ``tests/test_steps.py`` (same references, same tolerances).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.launcher import launch
+from tests.test_steps import check_exact
+
+
+def _case(arch: str, stage: int, name: str = "", **extra) -> dict:
+    return {"name": f"{arch}{name}-zero{stage}", "arch": arch, "step": "model_loss", "stage": stage,
+            "reference": "model_loss", **extra}
+
+
+PACKED = dict(data="packed", reference="mask_and_labels", strategy={"sdpa_per_document": True})
+CASES = [
+    _case("qwen3_next", 3), _case("lfm2", 3), _case("minimax", 3),
+    # every recurrence and convolution restarts at each packed document, as separate rows on one device
+    _case("qwen3_next", 2, "-packed", **PACKED), _case("lfm2", 2, "-packed", **PACKED),
+    # the ways users call the model (positions and shifted labels filled in) reach the mixers too
+    _case("qwen3_next", 2, "-labels-no-positions", step="labels_no_positions"),
+]
+DP_CASES = [_case("qwen3_next", 2, "-dp2", global_batch=2), _case("lfm2", 3, "-dp2", global_batch=2)]
+
+
+@pytest.fixture(scope="module")
+def results():
+    by_rank = launch(2, "combined", {
+        "fits": ["tests.scenarios_steps:run", {"cases": CASES}],
+        "counts": ["tests.scenarios_architectures:mixer_collectives",
+                   {"arch": "qwen3_next", "mixer_kind": "linear_attention", "mixer_layers": [1, 2]}],
+    }, timeout=900)
+    return by_rank
+
+
+@pytest.fixture(scope="module")
+def dp_results():
+    by_rank = launch(4, "tests.scenarios_steps:run", {"cases": DP_CASES}, timeout=900)
+    return {name: [r[name] for r in by_rank] for name in by_rank[0]}
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+def test_hybrid_trains_like_one_device(results, index):
+    case = CASES[index]
+    check_exact(case, [rank["fits"][case["name"]] for rank in results])
+
+
+@pytest.mark.parametrize("index", range(len(DP_CASES)), ids=[c["name"] for c in DP_CASES])
+def test_hybrid_trains_like_one_device_with_data_parallel_replicas(dp_results, index):
+    case = DP_CASES[index]
+    check_exact(case, dp_results[case["name"]])
+
+
+def test_collectives_per_mixer_layer(results):
+    counts = [rank["counts"] for rank in results]
+    assert counts[0] == counts[1]
+    one, two = counts[0][1], counts[0][2]
+    print(f"[measured] qwen3_next step collectives, 1 mixer layer: {one}; 2 mixer layers: {two}")
+    extra_forward = {op: two["forward"].get(op, 0) - one["forward"].get(op, 0) for op in two["forward"]}
+    extra_backward = {op: two["backward"].get(op, 0) - one["backward"].get(op, 0) for op in two["backward"]}
+    assert {op: n for op, n in extra_forward.items() if n} == {"_allgather_base_": 1}
+    assert extra_backward.get("_reduce_scatter_base_", 0) == 1
+    assert one["forward"]["alltoall_base_"] == 2  # the attention layer's exchange, unchanged
