@@ -71,6 +71,11 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str, ring_size: 
     impl = model.config._attn_implementation
     if impl is not None and impl.startswith(_PREFIX):
         impl = impl[len(_PREFIX) :]
+    if not has_attention(model) and sequence_mixers(model):  # a pure state-space model: no attention to shard
+        refuse_unsupported_architecture(model)
+        if ring_size > 1:
+            raise ValueError(f"{name} has no attention, only sequence mixers: use ring_size=1.")
+        return
     if impl not in SUPPORTED_ATTENTION:
         usable = supported_implementations(model)
         raise ValueError(
@@ -138,6 +143,11 @@ _MIXER_CLASS = re.compile(r"(mixer|deltanet|deltaattention|shortconv|linearatten
                           r"|rglru\w*|rwkv\w*|ssm)$", re.IGNORECASE)
 
 
+def has_attention(model: nn.Module) -> bool:
+    """Whether ``model`` has attention modules the Ulysses exchange serves."""
+    return any(_uses_attention_interface(m) for m in model.modules())
+
+
 def sequence_mixers(model: nn.Module) -> list[nn.Module]:
     """The modules of ``model`` that mix the sequence without attention and run whole under SP
     (:mod:`lightning_ulysses.mixers`)."""
@@ -172,7 +182,8 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
     mixers = sequence_mixers(model)
     covered = {id(m) for mixer in mixers for m in mixer.modules()}
     unknown = sorted({f"{module_name} ({type(module).__name__})" for module_name, module in model.named_modules()
-                      if id(module) not in covered and _MIXER_CLASS.search(type(module).__name__)})
+                      if id(module) not in covered and _MIXER_CLASS.search(type(module).__name__)
+                      and not _uses_attention_interface(module)})
     unknown += uncovered_sequence_convolutions(model, mixers)
     if unknown or (other_kinds and not mixers):
         raise ValueError(
@@ -219,7 +230,11 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
 
 # Architectures whose attention takes inputs the exchange cannot shard, known before any compute (the attention
 # function also refuses a mask that requires grad at the first forward, for models not listed here).
-_KNOWN_UNSHARDABLE = {"doge": "passes a learned per-key bias (its dynamic mask) to attention through attention_mask"}
+_KNOWN_UNSHARDABLE = {
+    "doge": "passes a learned per-key bias (its dynamic mask) to attention through attention_mask",
+    "qwen4_exp_text": "uses indexed attention (each query attends to the keys an indexer selects from the whole"
+                      " sequence, through a full 4-D mask)",
+}
 
 
 def _forward_source(module: nn.Module) -> Optional[str]:
@@ -290,7 +305,7 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
             for module in direct:
                 module.__dict__["forward"] = _with_ulysses_sdpa(module, context)
             saved.direct_sdpa_modules = direct
-        elif not impl.startswith(_PREFIX):
+        elif not impl.startswith(_PREFIX) and has_attention(model):
             config._attn_implementation = _PREFIX + impl  # also sets the sub-configs
         saved.mixers = sequence_mixers(model)
         for mixer in saved.mixers:

@@ -18,6 +18,11 @@ BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             eos_token_id=2, tie_word_embeddings=False)
 MIXED = ["sliding_attention", "full_attention"]
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+LINEAR = ["linear_attention", "full_attention"]  # one mixer layer, one attention layer
+GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+           linear_conv_kernel_dim=4)
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+              mamba_chunk_size=32)
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     # plain full attention
@@ -71,6 +76,49 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "lfm2": {"type": "lfm2", "config": {"layer_types": ["conv", "full_attention"]}},
     "minimax": {"type": "minimax", "config": {"layer_types": ["linear_attention", "full_attention"],
                                               "num_local_experts": 4, "num_experts_per_tok": 2}},
+    # gated delta nets
+    "qwen3_5_text": {"type": "qwen3_5_text", "config": {**GDN, "layer_types": LINEAR}},
+    "qwen3_5_moe_text": {"type": "qwen3_5_moe_text", "config": {**GDN, **MOE, "layer_types": LINEAR,
+                                                                "shared_expert_intermediate_size": 32}},
+    "olmo_hybrid": {"type": "olmo_hybrid", "config": {**GDN, "layer_types": LINEAR}},
+    "qwen4_exp_text": {"type": "qwen4_exp_text", "config": {
+        **GDN, **MOE, "layer_types": ["linear_attention", "indexed_attention"], "shared_expert_intermediate_size": 32,
+        "hc_count": 4, "hc_lowrank": 16, "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+        "indexer_budget": 32, "indexer_compress_ratio": 8}, "expect": "indexed attention"},
+    "kimi_linear": {"type": "kimi_linear", "config": {
+        "layer_types": LINEAR, "mlp_layer_types": ["dense", "sparse"], "linear_num_heads": 4, "linear_head_dim": 16,
+        "linear_conv_kernel_dim": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8, "v_head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "n_shared_experts": 1}},
+    # Mamba2 mixers (one head group: n_groups 1, as the Bamba / Granite 4 / Falcon-H1 checkpoints)
+    "nemotron_h": {"type": "nemotron_h", "config": {
+        "layers_block_type": LINEAR, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 16,
+        "conv_kernel": 4, "expand": 2, "chunk_size": 32, "use_mamba_kernels": False, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}},
+    "bamba": {"type": "bamba", "config": {"attn_layer_indices": [1], **MAMBA2}},
+    "granitemoehybrid": {"type": "granitemoehybrid", "config": {
+        "intermediate_size": 32, "shared_intermediate_size": 128, "layer_types": LINEAR, "num_local_experts": 4,
+        "num_experts_per_tok": 2, **MAMBA2}},
+    "falcon_h1": {"type": "falcon_h1", "config": {"mamba_d_ssm": 128, **MAMBA2}},  # attention ‖ Mamba in a layer
+    "zamba2": {"type": "zamba2", "config": {  # a shared attention block next to the Mamba layers
+        "layers_block_type": ["linear_attention", "hybrid"], "n_mamba_heads": 8, "mamba_d_state": 16,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_ngroups": 1, "chunk_size": 32, "use_mamba_kernels": False,
+        "head_dim": None}},
+    "mamba2": {"type": "mamba2", "config": {"num_heads": 8, "expand": 2, "n_groups": 1, "state_size": 16,
+                                            "conv_kernel": 4, "chunk_size": 32}, "attn": None},
+    # short convolutions
+    "lfm2_moe": {"type": "lfm2_moe", "config": {**MOE, "layer_types": ["conv", "full_attention"],
+                                                "num_dense_layers": 1, "conv_L_cache": 4}},
+    "lfm3": {"type": "lfm3", "config": {"layer_types": ["conv", "full_attention"], "sliding_window": 32,
+                                        "conv_L_cache": 4}},
+    # Mamba1 (its x_proj contracts over all channels: no head split, but the whole-sequence run is exact)
+    "jamba": {"type": "jamba", "config": {
+        "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+        "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+        "use_mamba_kernels": False}},
+    "mamba": {"type": "mamba", "config": {"state_size": 16, "expand": 2, "conv_kernel": 4}, "attn": None},
+    "falcon_mamba": {"type": "falcon_mamba", "config": {"state_size": 16, "expand": 2, "conv_kernel": 4},
+                     "attn": None},
     # refused before compute
     "qwen3_moe_aux_loss": {"type": "qwen3_moe", "config": {**MOE, "output_router_logits": True},
                            "expect": "output_router_logits"},
@@ -102,8 +150,9 @@ def build_model(name: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(build_config(name), attn_implementation=ARCHITECTURES[name].get("attn",
-                                                                                                          "sdpa"))
+    attn = ARCHITECTURES[name].get("attn", "sdpa")  # None: pure state-space models take no attention implementation
+    kwargs = {} if attn is None else {"attn_implementation": attn}
+    return AutoModelForCausalLM.from_config(build_config(name), **kwargs)
 
 
 def batches(steps: int, seed: int = 5) -> list[dict[str, torch.Tensor]]:
