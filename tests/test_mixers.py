@@ -21,9 +21,10 @@ def _case(arch: str, stage: int, name: str = "", **extra) -> dict:
 
 PACKED = dict(data="packed", reference="mask_and_labels", strategy={"sdpa_per_document": True})
 CASES = [
-    _case("qwen3_next", 3), _case("lfm2", 3), _case("minimax", 3),
+    _case("qwen3_next", 3), _case("lfm2", 3), _case("minimax", 3), _case("bamba", 3), _case("mamba", 3),
     # every recurrence and convolution restarts at each packed document, as separate rows on one device
     _case("qwen3_next", 2, "-packed", **PACKED), _case("lfm2", 2, "-packed", **PACKED),
+    _case("bamba", 2, "-packed", **PACKED),
     # the ways users call the model (positions and shifted labels filled in) reach the mixers too
     _case("qwen3_next", 2, "-labels-no-positions", step="labels_no_positions"),
 ]
