@@ -4,6 +4,7 @@ sequence under a per-rank memory budget. Writes ``benchmarks/out/sweep.csv``, ``
 
     python benchmarks/sweep.py                       # CPU defaults: S = 2K, 4K, 8K; sp=1 on to 32K while it fits
     python benchmarks/sweep.py --lengths 8192 16384 32768 --hidden 2048 --layers 16 --sp 1 2 4 8   # on GPUs
+    python benchmarks/sweep.py --arch qwen3_5 --configs plain --lengths 2048 4096 --search-sp 0   # a hybrid model
 
 Each configuration runs in fresh processes (``torchrun``), so a peak is never inherited from the previous one.
 Memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the growth of the process's peak RSS from just before the
@@ -48,6 +49,18 @@ def _model(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if args.arch == "qwen3_5":  # a Qwen3.5-shaped hybrid: 3 gated-delta-net layers to 1 attention layer
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        head_dim = args.hidden // args.heads
+        config = AutoConfig.for_model(
+            "qwen3_5_text", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+            head_dim=head_dim, linear_num_value_heads=args.heads, linear_num_key_heads=args.heads,
+            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, max_position_embeddings=max(args.seq_len, 2048),
+            layer_types=[("full_attention" if i % 4 == 3 else "linear_attention") for i in range(args.layers)],
+            pad_token_id=0, tie_word_embeddings=False, use_cache=False)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.heads, max_position_embeddings=max(args.seq_len, 2048),
@@ -225,7 +238,7 @@ def next_search_length(rows: list[dict], config: str, sp: int, args) -> int | No
 
 def _model_flags(args) -> list[str]:
     return ["--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
-            "--vocab", str(args.vocab), "--steps", str(args.steps), "--bucket", str(args.bucket)]
+            "--vocab", str(args.vocab), "--steps", str(args.steps), "--bucket", str(args.bucket), "--arch", args.arch]
 
 
 def longest_under_budget(rows: list[dict], config: str, sp: int, budget_mib: float) -> int:
@@ -261,6 +274,8 @@ def main() -> None:
                         help="longest sequence the budget search runs past the --lengths grid (0: no search)")
     parser.add_argument("--search-sp", type=int, nargs="+", default=[1],
                         help="sp sizes whose configurations the budget search extends past the grid")
+    parser.add_argument("--arch", choices=["llama", "qwen3_5"], default="llama",
+                        help="llama: full attention; qwen3_5: a hybrid of 3 gated-delta-net layers to 1 attention layer")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)

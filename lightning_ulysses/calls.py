@@ -149,6 +149,10 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
         _agree_on_call(problem, name, context, tokens.device)
     elif problem is not None:
         raise problem
+    counted = shard.global_index[None, :] < shard.seq_len  # [1, s]: not the padding to the SP multiple
+    if given_mask is not None and shard.attention_mask is not None:
+        counted = counted & shard.attention_mask[:rows].bool()
+    context.router_token_mask = counted.expand(rows, length)
     if named.get("labels") is not None and named.get("shift_labels") is None:
         labels = named["labels"]
         if not isinstance(labels, torch.Tensor) or tuple(labels.shape[:2]) != shard.shard_shape:

@@ -107,6 +107,8 @@ class StepContext:
         step_batch_tensors: the step batch's own ``position_ids`` / ``attention_mask`` tensors (a model call given
             exactly these needs no check).
         device_positions: the current shard's positions on the model's device, ``{(id(shard), device): [B, s]}``.
+        router_token_mask: ``[B, s]`` bool, the tokens of the last model call that count for the MoE router loss
+            (not the padding to the SP multiple; not the batch's padding when the call was given its mask).
     """
 
     sp_group: dist.ProcessGroup
@@ -125,6 +127,7 @@ class StepContext:
     plain: bool = False
     step_batch_tensors: dict = field(default_factory=dict)
     device_positions: dict = field(default_factory=dict)
+    router_token_mask: Optional[torch.Tensor] = None
 
     @property
     def exchange_group(self) -> dist.ProcessGroup:

@@ -20,6 +20,7 @@ from torch import nn
 from lightning_ulysses.calls import install_call_completion, remove_call_completion
 from lightning_ulysses.context import ShardInfo, StepContext
 from lightning_ulysses.exchange import head_to_sequence_shards, sequence_to_head_shards
+from lightning_ulysses.moe import has_load_balancing_loss
 from lightning_ulysses.mixers import (
     find_sequence_mixers,
     uncovered_sequence_convolutions,
@@ -219,6 +220,8 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
         raise ValueError(f"{name} {known}: UlyssesDeepSpeedStrategy's attention cannot shard that, so it cannot"
                          " train under sequence parallelism; use sp_size=1.")
     for config in _configs(model):
+        if has_load_balancing_loss(model) or "aux_loss" not in (_forward_source(model) or "aux_loss"):
+            break  # computed over the whole global batch (lightning_ulysses.moe), or not computed at all
         if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 1.0):
             raise ValueError(
                 f"{name} has output_router_logits=True: transformers computes the MoE load-balancing loss from the"
@@ -328,7 +331,7 @@ def _refuse_router_aux_loss(model: nn.Module, args: tuple, kwargs: dict) -> None
     transformers would compute from this rank's tokens only (the config-level switch is refused before compute)."""
     coefficient = getattr(model.config, "router_aux_loss_coef", 1.0)
     with_loss = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
-    if kwargs.get("output_router_logits") and coefficient and with_loss:
+    if kwargs.get("output_router_logits") and coefficient and with_loss and not has_load_balancing_loss(model):
         raise ValueError(
             f"{type(model).__name__} was called with output_router_logits=True: transformers computes the MoE"
             " load-balancing loss from the router statistics of this rank's tokens only, so under sequence"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Generator, Optional, Sequence, Union
 
@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_ulysses import calls, generation
 from lightning_ulysses import checkpoint as _checkpoint
-from lightning_ulysses import building, hf, integrity, memory
+from lightning_ulysses import building, hf, integrity, memory, moe
 from lightning_ulysses.agreement import SPAgreement, sampler_split_error
 from lightning_ulysses.attention import ModuleSelector, find_attention_cores, unwrap_attention_core, wrap_attention_core
 from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo, StepContext
@@ -154,6 +154,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._agreement: Optional[SPAgreement] = None
         self._step_queues: dict[str, StepStateQueue] = {}
         self._own_model_roots: list[Module] = []
+        self._patches = ExitStack()  # process-global patches held while models are prepared (closed in teardown)
         self._step_shift_labels: Optional[torch.Tensor] = None
 
     # ----------------------------------------------------------------------------------------------- layout
@@ -286,6 +287,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             hf.prepare_model(model, self._context)
             memory.enable(model, self.memory_features, self._context)
             generation.install_plain_generate(model, self._context, self.zero_stage_3)
+        self._patches.close()
+        self._patches.enter_context(moe.exact_load_balancing_loss(models, self._context))
         self._prepared_models = models
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self._switch_to_train_mode(models)
@@ -777,6 +780,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
     def teardown(self) -> None:
+        self._patches.close()
         building.restore_modes(self._saved_modes)
         self._saved_modes = []
         for model in self._prepared_models:

@@ -18,6 +18,7 @@ BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             eos_token_id=2, tie_word_embeddings=False)
 MIXED = ["sliding_attention", "full_attention"]
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 LINEAR = ["linear_attention", "full_attention"]  # one mixer layer, one attention layer
 GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
            linear_conv_kernel_dim=4)
@@ -69,6 +70,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "exaone4_window": {"type": "exaone4", "config": {"sliding_window": WINDOW, "layer_types": MIXED}},
     "ministral_window": {"type": "ministral", "config": {"sliding_window": WINDOW, "layer_types": MIXED}},
     "olmo3_window": {"type": "olmo3", "config": {"sliding_window": WINDOW, "layer_types": MIXED}},
+    # the MoE router's load-balancing loss over the whole global batch (coefficient 0.5 so that it matters)
+    "qwen3_moe_aux_loss": {"type": "qwen3_moe", "config": {**MOE, **AUX}},
+    "qwen3_moe_aux_loss_in_forward": {"type": "qwen3_moe", "config": {**MOE, "router_aux_loss_coef": 0.5},
+                                      "forward": {"output_router_logits": True}},
+    "qwen2_moe_aux_loss": {"type": "qwen2_moe", "config": {**MOE, **AUX, "shared_expert_intermediate_size": 32}},
+    "mixtral_aux_loss": {"type": "mixtral", "config": {"num_local_experts": 4, "num_experts_per_tok": 2, **AUX}},
+    "olmoe_aux_loss": {"type": "olmoe", "config": {"num_experts": 4, "num_experts_per_tok": 2, **AUX}},
     # sequence mixers other than attention (run on the whole sequence, lightning_ulysses.mixers)
     "qwen3_next": {"type": "qwen3_next", "config": {**MOE, "layer_types": ["linear_attention", "full_attention"],
                                                     "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -98,7 +106,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "bamba": {"type": "bamba", "config": {"attn_layer_indices": [1], **MAMBA2}},
     "granitemoehybrid": {"type": "granitemoehybrid", "config": {
         "intermediate_size": 32, "shared_intermediate_size": 128, "layer_types": LINEAR, "num_local_experts": 4,
-        "num_experts_per_tok": 2, **MAMBA2}},
+        "num_experts_per_tok": 2, **MAMBA2, **AUX}},
     "falcon_h1": {"type": "falcon_h1", "config": {"mamba_d_ssm": 128, **MAMBA2}},  # attention ‖ Mamba in a layer
     "zamba2": {"type": "zamba2", "config": {  # a shared attention block next to the Mamba layers
         "layers_block_type": ["linear_attention", "hybrid"], "n_mamba_heads": 8, "mamba_d_state": 16,
@@ -107,7 +115,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "mamba2": {"type": "mamba2", "config": {"num_heads": 8, "expand": 2, "n_groups": 1, "state_size": 16,
                                             "conv_kernel": 4, "chunk_size": 32}, "attn": None},
     # short convolutions
-    "lfm2_moe": {"type": "lfm2_moe", "config": {**MOE, "layer_types": ["conv", "full_attention"],
+    "lfm2_moe": {"type": "lfm2_moe", "config": {**MOE, **AUX, "layer_types": ["conv", "full_attention"],
                                                 "num_dense_layers": 1, "conv_L_cache": 4}},
     "lfm3": {"type": "lfm3", "config": {"layer_types": ["conv", "full_attention"], "sliding_window": 32,
                                         "conv_L_cache": 4}},
@@ -120,10 +128,6 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "falcon_mamba": {"type": "falcon_mamba", "config": {"state_size": 16, "expand": 2, "conv_kernel": 4},
                      "attn": None},
     # refused before compute
-    "qwen3_moe_aux_loss": {"type": "qwen3_moe", "config": {**MOE, "output_router_logits": True},
-                           "expect": "output_router_logits"},
-    "qwen3_moe_aux_loss_in_forward": {"type": "qwen3_moe", "config": MOE, "forward": {"output_router_logits": True},
-                                      "expect": "called with output_router_logits=True"},
     "doge": {"type": "doge", "expect": "attention_mask"},
     "gemma2_eager": {"type": "gemma2", "attn": "eager",
                      "expect": "supports ['flash_attention_2', 'flash_attention_3', 'flex_attention']"},
@@ -168,7 +172,7 @@ def train_plain(name: str, steps: int, lr: float) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for batch in batches(steps):
-        loss = model(**batch).loss
+        loss = model(**batch, **ARCHITECTURES[name].get("forward", {})).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

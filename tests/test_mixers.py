@@ -1,6 +1,6 @@
-"""Hybrid models (gated delta nets, Mamba2, short convolutions, lightning attention next to attention layers) under
-SP: exact against one device at ZeRO 2 and 3, with packed documents, with DP × SP, and the exchange of a mixer layer
-counted (one all-gather forward, one reduce-scatter backward).
+"""Hybrid models (gated delta nets, Mamba2, short convolutions, lightning attention next to attention layers) and the
+MoE router's load-balancing loss under SP: exact against one device at ZeRO 2 and 3, with packed documents, with
+DP × SP, and the exchange of a mixer layer counted (one all-gather forward, one reduce-scatter backward).
 
 The architecture matrix (``tests/test_architectures.py``) trains every family at ZeRO 2; this file adds the
 harder settings, through the harness of ``tests/test_steps.py`` (same references, same tolerances).
@@ -27,8 +27,11 @@ CASES = [
     _case("bamba", 2, "-packed", **PACKED),
     # the ways users call the model (positions and shifted labels filled in) reach the mixers too
     _case("qwen3_next", 2, "-labels-no-positions", step="labels_no_positions"),
+    # the MoE router's load-balancing loss from the whole batch (tests/architectures.py: coefficient 0.5)
+    _case("qwen3_moe_aux_loss", 3), _case("granitemoehybrid", 3),
 ]
-DP_CASES = [_case("qwen3_next", 2, "-dp2", global_batch=2), _case("lfm2", 3, "-dp2", global_batch=2)]
+DP_CASES = [_case("qwen3_next", 2, "-dp2", global_batch=2), _case("lfm2", 3, "-dp2", global_batch=2),
+            _case("qwen3_moe_aux_loss", 2, "-dp2", global_batch=2)]
 
 
 @pytest.fixture(scope="module")
