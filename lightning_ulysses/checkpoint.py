@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from lightning_ulysses import hf, integrity
+from lightning_ulysses import hf, hf_attention, integrity
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -259,7 +259,7 @@ def hf_model_records(root: nn.Module) -> dict[str, dict[str, Any]]:
         record = {
             "class": f"{type(module).__module__}.{type(module).__qualname__}",
             "config": config,
-            "attn_implementation": hf.attention_implementation(module),
+            "attn_implementation": hf_attention.attention_implementation(module),
         }
         if id(module) in peft_wrappers:
             name, wrapper = peft_wrappers[id(module)]

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_ulysses import calls, generation
 from lightning_ulysses import checkpoint as _checkpoint
-from lightning_ulysses import building, hf, integrity, memory, moe
+from lightning_ulysses import building, hf, hf_attention, integrity, memory, moe, refusals
 from lightning_ulysses.agreement import SPAgreement, sampler_split_error
 from lightning_ulysses.attention import ModuleSelector, find_attention_cores, unwrap_attention_core, wrap_attention_core
 from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo, StepContext
@@ -264,13 +264,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                 " own model'), mark them with `ulysses_attention_core = True`, or use `sp_size=1`."
             )
         for model in models:
-            hf.validate_model(model, self.sp_size, self.root_device.type, self.ring_size)
+            refusals.validate_model(model, self.sp_size, self.root_device.type, self.ring_size)
         if cores and self.ring_size > 1:
             raise ValueError(
                 f"attention_modules (your own attention cores) are not supported with ring_size={self.ring_size} yet:"
                 " use ring_size=1."
             )
-        hf.register_attention_functions()
+        hf_attention.register_attention_functions()
         accumulation = int(self.config.get("gradient_accumulation_steps", 1))
         self._context = StepContext(
             sp_group=self.sp_group,
@@ -468,12 +468,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if self._agreement is not None and shard.fingerprint is not None:
             self._agreement.verify(shard.fingerprint, shard.seq_len, shard.batch_size, where=f"{kind} step")
         if shard.packed and self.ring_size > 1:
-            raise ValueError(hf.ring_packed_documents_error())
+            raise ValueError(hf_attention.ring_packed_documents_error())
         if shard.packed:
             for model in self._prepared_models:
-                impl = hf.attention_implementation(model)
-                if not hf.keeps_documents_apart(impl, self.sdpa_per_document):
-                    raise ValueError(hf.packed_documents_error(impl))
+                impl = hf_attention.attention_implementation(model)
+                if not hf_attention.keeps_documents_apart(impl, self.sdpa_per_document):
+                    raise ValueError(hf_attention.packed_documents_error(impl))
         if self._context is not None:
             self._context.shard = shard
             self._context.tile_shard_len = self._agreed_tile_shard_len(shard)

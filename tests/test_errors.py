@@ -1,6 +1,6 @@
 """Bad configurations fail before any compute, with a message naming what to change.
 
-Pure checks of ``validate_sp_size`` / ``hf.validate_model`` / the strategy's constructor, then one launch of 2 real
+Pure checks of ``validate_sp_size`` / ``refusals.validate_model`` / the strategy's constructor, then one launch of 2 real
 processes that runs every bad configuration through ``trainer.fit`` and ends with a good fit in the same processes.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ulysses import UlyssesDeepSpeedStrategy, hf
+from lightning_ulysses import UlyssesDeepSpeedStrategy, refusals
 from lightning_ulysses.layout import validate_sp_size
 from tests.launcher import launch
 from tests.models import build_llama, tiny_llama_config
@@ -63,7 +63,7 @@ def model(**config):
 
 
 def test_supported_models_pass():
-    validate = hf.validate_model
+    validate = refusals.validate_model
     validate(model(), 2, "cpu")
     validate(model(), 4, "cpu")
     validate(model(num_heads=4, num_kv_heads=2), 4, "cpu")  # KV heads replicated
@@ -76,28 +76,28 @@ def test_supported_models_pass():
 
 def test_fewer_heads_than_sp_ranks():
     with pytest.raises(ValueError) as err:
-        hf.validate_model(model(num_heads=1, num_kv_heads=1), 2, "cpu")
+        refusals.validate_model(model(num_heads=1, num_kv_heads=1), 2, "cpu")
     message = str(err.value)
     assert "num_attention_heads=1, fewer than sp_size=2" in message and "Use sp_size <= 1" in message
 
 
 def test_uneven_head_counts_are_accepted():
     # split unevenly (issue 5): 3 heads over 2 ranks, 6 heads over 4, GQA 6/3 over 2 and 4
-    hf.validate_model(model(num_heads=3, num_kv_heads=3), 2, "cpu")
-    hf.validate_model(model(num_heads=6, num_kv_heads=6), 4, "cpu")
-    hf.validate_model(model(num_heads=6, num_kv_heads=3), 2, "cpu")
-    hf.validate_model(model(num_heads=6, num_kv_heads=3), 4, "cpu")
+    refusals.validate_model(model(num_heads=3, num_kv_heads=3), 2, "cpu")
+    refusals.validate_model(model(num_heads=6, num_kv_heads=6), 4, "cpu")
+    refusals.validate_model(model(num_heads=6, num_kv_heads=3), 2, "cpu")
+    refusals.validate_model(model(num_heads=6, num_kv_heads=3), 4, "cpu")
 
 
 def test_query_heads_must_group_evenly_over_kv_heads():
     with pytest.raises(ValueError) as err:
-        hf.validate_model(model(num_heads=6, num_kv_heads=4), 2, "cpu")
+        refusals.validate_model(model(num_heads=6, num_kv_heads=4), 2, "cpu")
     assert "num_attention_heads=6 not divisible by num_key_value_heads=4" in str(err.value)
 
 
 def test_eager_attention_is_refused():
     with pytest.raises(ValueError) as err:
-        hf.validate_model(model(attn="eager"), 2, "cpu")
+        refusals.validate_model(model(attn="eager"), 2, "cpu")
     message = str(err.value)
     assert "attn_implementation='eager'" in message
     assert "attn_implementation='sdpa'" in message
@@ -105,7 +105,7 @@ def test_eager_attention_is_refused():
 
 def test_flex_attention_on_cpu_is_refused():
     with pytest.raises(ValueError) as err:
-        hf.validate_model(model(attn="flex_attention"), 2, "cpu")
+        refusals.validate_model(model(attn="flex_attention"), 2, "cpu")
     message = str(err.value)
     assert "flex_attention" in message and "Use attn_implementation='sdpa' on CPU" in message
 
@@ -114,7 +114,7 @@ def test_already_prepared_model_is_validated_by_its_inner_implementation():
     m = model(attn="eager")
     m.config._attn_implementation = "ulysses_eager"
     with pytest.raises(ValueError, match="attn_implementation='eager'"):
-        hf.validate_model(m, 2, "cpu")
+        refusals.validate_model(m, 2, "cpu")
 
 
 # ----------------------------------------------------------------------------------------------- through a Trainer
