@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses.context import StepContext
+from lightning_ulysses.mixer_heads import head_slicing, narrowed, reduce_scatter_sequence
 
 _ORIGINAL = "_ulysses_mixer_forward"
 _HIDDEN_NAMES = ("hidden_states", "input_states", "x")
@@ -73,12 +74,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
         ctx.group = group
-        sp = dist.get_world_size(group)
-        shard = shard.contiguous()
-        pieces = shard.new_empty((sp * shard.shape[0], *shard.shape[1:]))
-        dist.all_gather_into_tensor(pieces, shard, group=group)  # [sp·B, s, ...], rank-major
-        B, s = shard.shape[:2]
-        return pieces.view(sp, B, s, *shard.shape[2:]).transpose(0, 1).reshape(B, sp * s, *shard.shape[2:])
+        return all_gather_sequence(shard, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -90,6 +86,16 @@ class _GatherSequence(torch.autograd.Function):
         out = grad.new_empty((B, s, *grad.shape[2:]))
         dist.reduce_scatter_tensor(out, chunks.view(sp * B, s, *grad.shape[2:]), group=group)  # sum over ranks
         return out, None
+
+
+def all_gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[B, s, ...]`` shards of the SP group -> ``[B, sp·s, ...]`` (not differentiable)."""
+    sp = dist.get_world_size(group)
+    shard = shard.contiguous()
+    pieces = shard.new_empty((sp * shard.shape[0], *shard.shape[1:]))
+    dist.all_gather_into_tensor(pieces, shard, group=group)  # [sp·B, s, ...], rank-major
+    B, s = shard.shape[:2]
+    return pieces.view(sp, B, s, *shard.shape[2:]).transpose(0, 1).reshape(B, sp * s, *shard.shape[2:])
 
 
 def gather_sequence_differentiable(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -115,11 +121,19 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
                 kwargs[name] = None
         full = gather_sequence_differentiable(hidden, group)  # [B, S, H]
         shard = context.shard
-        if shard.packed:
-            output = _per_document(lambda x: original(module, x, *args, **kwargs), full, shard.cu_seqlens)
-        else:
-            output = original(module, full, *args, **kwargs)
-        rank, s = dist.get_rank(group), hidden.shape[1]
+        rank, sp, s = dist.get_rank(group), dist.get_world_size(group), hidden.shape[1]
+        slicing = head_slicing(module, rank, sp) if context.head_parallel_mixers else None
+
+        def run(x: torch.Tensor) -> Any:
+            return original(module, x, *args, **kwargs)
+
+        if slicing is not None:  # this rank's heads over the whole sequence; partial outputs summed over the group
+            with narrowed(module, slicing, rank):
+                partial = _per_document(run, full, shard.cu_seqlens) if shard.packed else run(full)  # [B, S, H]
+            if isinstance(partial, tuple):
+                return (reduce_scatter_sequence(partial[0], group), *partial[1:])
+            return reduce_scatter_sequence(partial, group)  # [B, s, H]
+        output = _per_document(run, full, shard.cu_seqlens) if shard.packed else run(full)
         return _own_slice(output, full.shape[:2], slice(rank * s, (rank + 1) * s))
 
     module.__dict__["forward"] = forward

@@ -72,17 +72,31 @@ def mixer_collectives(payload: dict) -> dict:
     from tests.models import SEED, TokenDataset
     from tests.scenarios import CountingCausalLM, tiny_llama_config
 
+    import sys
+
+    modeling = sys.modules[type(build_model(payload["arch"])).__module__]
+    recurrence = modeling.torch_chunk_gated_delta_rule
+    shapes: list = []
+
+    def spy(query, key, value, *args, **kwargs):  # the shapes the mixer's own recurrence runs on
+        shapes.append(tuple(value.shape))
+        return recurrence(query, key, value, *args, **kwargs)
+
+    modeling.torch_chunk_gated_delta_rule = spy
     out = {}
     for m in payload["mixer_layers"]:
         os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
         seed_everything(SEED, verbose=False)
+        shapes.clear()
         config = build_config(payload["arch"])
         config.layer_types = [payload["mixer_kind"]] * m + ["full_attention"]
         config.num_hidden_layers = m + 1
         module = CountingCausalLM(tiny_llama_config(num_kv_heads=2), dataset=TokenDataset(2, 32))
         torch.manual_seed(0)
         module.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=2), max_steps=1)
+        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=payload.get("stage", 2)), max_steps=1)
         trainer.fit(module)
-        out[m] = {"forward": module.forward_counts, "backward": module.backward_counts}
+        out[m] = {"forward": module.forward_counts, "backward": module.backward_counts,
+                  "recurrence_value_shapes": sorted(set(shapes))}
+    modeling.torch_chunk_gated_delta_rule = recurrence
     return out

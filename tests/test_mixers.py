@@ -40,6 +40,9 @@ def results():
         "fits": ["tests.scenarios_steps:run", {"cases": CASES}],
         "counts": ["tests.scenarios_architectures:mixer_collectives",
                    {"arch": "qwen3_next", "mixer_kind": "linear_attention", "mixer_layers": [1, 2]}],
+        "counts_zero3": ["tests.scenarios_architectures:mixer_collectives",
+                         {"arch": "qwen3_next", "mixer_kind": "linear_attention", "mixer_layers": [1, 2],
+                          "stage": 3}],
     }, timeout=900)
     return by_rank
 
@@ -62,13 +65,32 @@ def test_hybrid_trains_like_one_device_with_data_parallel_replicas(dp_results, i
     check_exact(case, dp_results[case["name"]])
 
 
-def test_collectives_per_mixer_layer(results):
+def _per_mixer_layer(counts: dict) -> tuple[dict, dict]:
+    one, two = counts[1], counts[2]
+    forward = {op: two["forward"].get(op, 0) - one["forward"].get(op, 0) for op in two["forward"]}
+    backward = {op: two["backward"].get(op, 0) - one["backward"].get(op, 0) for op in two["backward"]}
+    return {op: n for op, n in forward.items() if n}, {op: n for op, n in backward.items() if n}
+
+
+def test_head_parallel_mixer_layer_collectives_and_heads(results):
+    """ZeRO 0-2: a gated-delta-net layer runs half of its heads per rank over the whole sequence: one all-gather of
+    its input and one reduce-scatter of its output forward, the same two backward; the recurrence sees 2 of the 4
+    value heads and all 32 positions."""
     counts = [rank["counts"] for rank in results]
     assert counts[0] == counts[1]
-    one, two = counts[0][1], counts[0][2]
-    print(f"[measured] qwen3_next step collectives, 1 mixer layer: {one}; 2 mixer layers: {two}")
-    extra_forward = {op: two["forward"].get(op, 0) - one["forward"].get(op, 0) for op in two["forward"]}
-    extra_backward = {op: two["backward"].get(op, 0) - one["backward"].get(op, 0) for op in two["backward"]}
-    assert {op: n for op, n in extra_forward.items() if n} == {"_allgather_base_": 1}
-    assert extra_backward.get("_reduce_scatter_base_", 0) == 1
-    assert one["forward"]["alltoall_base_"] == 2  # the attention layer's exchange, unchanged
+    forward, backward = _per_mixer_layer(counts[0])
+    print(f"[measured] head-parallel gated delta net, per mixer layer: forward {forward}, backward {backward}")
+    assert forward == {"_allgather_base_": 1, "_reduce_scatter_base_": 1}
+    assert backward.get("_allgather_base_") == 1 and backward.get("_reduce_scatter_base_") == 1
+    assert counts[0][1]["forward"]["alltoall_base_"] == 2  # the attention layer's exchange, unchanged
+    assert counts[0][1]["recurrence_value_shapes"] == [(1, 32, 2, 16)]  # [B, S, heads of this rank, head dim]
+
+
+def test_whole_sequence_mixer_layer_collectives_at_zero3(results):
+    """ZeRO-3 (submodule weights gathered only as they run): the mixer runs whole, all 4 heads over all 32
+    positions, and its output is sliced, not reduce-scattered (ZeRO-3's own parameter gathers are all-gathers too, so
+    those are not counted here)."""
+    counts = [rank["counts_zero3"] for rank in results]
+    forward, _ = _per_mixer_layer(counts[0])
+    assert "_reduce_scatter_base_" not in forward and forward.get("_allgather_base_", 0) >= 1
+    assert counts[0][1]["recurrence_value_shapes"] == [(1, 32, 4, 16)]
