@@ -15,8 +15,12 @@ rank ``j`` of the SP group:
 
 Exact (a sum over heads instead of one matmul over them), and the mixer's activations and compute per rank fall by
 ``sp``. A family is one :class:`HeadSlicing` recipe in :data:`FAMILIES`, chosen by what the module *is* (its
-attributes and submodules). Under ZeRO-3 the parameters of a module's submodules are gathered by DeepSpeed only when
-those submodules run, so narrowing them is not possible there: mixers then run whole (exact, not divided).
+attributes and submodules). Under ZeRO-3 the parameters of a module's submodules exist only while DeepSpeed has them
+gathered for that submodule's call, so the projections run themselves there: the input projections' outputs are
+narrowed to this rank's features, the output projection runs on this rank's heads zero-padded to its full width
+(allowed only without a bias); the convolution and recurrence are narrowed as at the other stages. The narrowed
+submodules and parameters shadow the real ones through the module's instance ``__dict__``, so the parameter
+registries DeepSpeed walks are never touched.
 """
 
 from __future__ import annotations
@@ -104,25 +108,40 @@ def head_slicing(module: nn.Module, rank: int, size: int) -> Optional[HeadSlicin
 
 
 class _Rows(nn.Module):
-    def __init__(self, linear: nn.Linear, index: torch.Tensor) -> None:
+    """An input projection narrowed to some output features. ``through_module``: call the projection itself and keep
+    those features (ZeRO-3 gathers a submodule's weight only while the submodule runs): exact, the same activations
+    kept, but the projection's compute is not divided."""
+
+    def __init__(self, linear: nn.Linear, index: torch.Tensor, through_module: bool) -> None:
         super().__init__()
-        self.linear, self.index = [linear], index  # a list: not registered as a child
+        self.linear, self.index, self.through_module = [linear], index, through_module  # a list: not a child
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linear, index = self.linear[0], self.index.to(self.linear[0].weight.device)
+        linear = self.linear[0]
+        if self.through_module:
+            out = linear(x)
+            return out[..., self.index.to(out.device)]
+        index = self.index.to(linear.weight.device)
         bias = None if linear.bias is None else linear.bias[index]
         return F.linear(x, linear.weight[index], bias)
 
 
 class _Columns(nn.Module):
-    def __init__(self, linear: nn.Linear, index: torch.Tensor, with_bias: bool) -> None:
+    """An output projection narrowed to some input features (its bias added by rank 0 only). ``through_module``: the
+    input is zero-padded to the full width and the projection itself runs (ZeRO-3; only for projections without
+    bias)."""
+
+    def __init__(self, linear: nn.Linear, index: torch.Tensor, with_bias: bool, through_module: bool) -> None:
         super().__init__()
-        self.linear, self.index, self.with_bias = [linear], index, with_bias
+        self.linear, self.index, self.with_bias, self.through_module = [linear], index, with_bias, through_module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear[0]
-        weight = linear.weight[:, self.index.to(linear.weight.device)]
-        return F.linear(x, weight, linear.bias if self.with_bias else None)
+        index = self.index.to(x.device)
+        if self.through_module:
+            full = x.new_zeros((*x.shape[:-1], linear.in_features)).index_copy(-1, index, x)
+            return linear(full)
+        return F.linear(x, linear.weight[:, index], linear.bias if self.with_bias else None)
 
 
 class _Channels(nn.Module):
@@ -142,30 +161,36 @@ class _Channels(nn.Module):
         return F.conv1d(x, self.weight, self.bias, conv.stride, conv.padding, conv.dilation, self.weight.shape[0])
 
 
+def supports_zero3(module: nn.Module, slicing: HeadSlicing) -> bool:
+    """Under ZeRO-3 the output projections are run through themselves on a zero-padded input, which adds their bias
+    on every rank: only projections without bias qualify."""
+    return all(getattr(module._modules[name], "bias", None) is None for name in slicing.columns)
+
+
 @contextmanager
-def narrowed(module: nn.Module, slicing: HeadSlicing, rank: int) -> Iterator[None]:
-    """Inside the block ``module`` computes only its heads of ``slicing`` (see the module docstring)."""
-    saved_modules, saved_parameters, saved_attributes = {}, {}, {}
+def narrowed(module: nn.Module, slicing: HeadSlicing, rank: int, through_modules: bool = False) -> Iterator[None]:
+    """Inside the block ``module`` computes only its heads of ``slicing`` (see the module docstring).
+    ``through_modules``: run the projections themselves (ZeRO-3, see :class:`_Rows`, :class:`_Columns`)."""
+    # Narrowed submodules and parameters shadow the real ones through the instance __dict__ (attribute lookup finds
+    # it before nn.Module's registries), so the registries DeepSpeed walks keep the real parameters.
+    shadows: dict[str, object] = {}
+    for name, index in slicing.rows.items():
+        shadows[name] = _Rows(module._modules[name], index, through_modules)
+    for name, index in slicing.columns.items():
+        shadows[name] = _Columns(module._modules[name], index, rank == 0, through_modules)
+    for name, index in slicing.channels.items():
+        shadows[name] = _Channels(module._modules[name], index)
+    for name, index in slicing.parameters.items():
+        parameter = module._parameters[name]
+        shadows[name] = parameter[index.to(parameter.device)]
+    saved_attributes = {name: module.__dict__[name] for name in slicing.attributes}
     try:
-        for name, index in slicing.rows.items():
-            saved_modules[name] = module._modules[name]
-            module._modules[name] = _Rows(saved_modules[name], index)
-        for name, index in slicing.columns.items():
-            saved_modules[name] = module._modules[name]
-            module._modules[name] = _Columns(saved_modules[name], index, with_bias=rank == 0)
-        for name, index in slicing.channels.items():
-            saved_modules[name] = module._modules[name]
-            module._modules[name] = _Channels(saved_modules[name], index)
-        for name, index in slicing.parameters.items():
-            saved_parameters[name] = module._parameters[name]
-            module._parameters[name] = saved_parameters[name][index.to(saved_parameters[name].device)]
-        for name, value in slicing.attributes.items():
-            saved_attributes[name] = module.__dict__[name]
-            module.__dict__[name] = value
+        module.__dict__.update(shadows)
+        module.__dict__.update(slicing.attributes)
         yield
     finally:
-        module._modules.update(saved_modules)
-        module._parameters.update(saved_parameters)
+        for name in shadows:
+            module.__dict__.pop(name, None)
         module.__dict__.update(saved_attributes)
 
 

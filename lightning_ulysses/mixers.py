@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses.context import StepContext
-from lightning_ulysses.mixer_heads import head_slicing, narrowed, reduce_scatter_sequence
+from lightning_ulysses.mixer_heads import head_slicing, narrowed, reduce_scatter_sequence, supports_zero3
 
 _ORIGINAL = "_ulysses_mixer_forward"
 _HIDDEN_NAMES = ("hidden_states", "input_states", "x")
@@ -122,13 +122,16 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
         full = gather_sequence_differentiable(hidden, group)  # [B, S, H]
         shard = context.shard
         rank, sp, s = dist.get_rank(group), dist.get_world_size(group), hidden.shape[1]
-        slicing = head_slicing(module, rank, sp) if context.head_parallel_mixers else None
+        slicing = head_slicing(module, rank, sp)
+        through_modules = context.mixer_projections_whole  # ZeRO-3: weights gathered only as submodules run
+        if slicing is not None and through_modules and not supports_zero3(module, slicing):
+            slicing = None
 
         def run(x: torch.Tensor) -> Any:
             return original(module, x, *args, **kwargs)
 
         if slicing is not None:  # this rank's heads over the whole sequence; partial outputs summed over the group
-            with narrowed(module, slicing, rank):
+            with narrowed(module, slicing, rank, through_modules):
                 partial = _per_document(run, full, shard.cu_seqlens) if shard.packed else run(full)  # [B, S, H]
             if isinstance(partial, tuple):
                 return (reduce_scatter_sequence(partial[0], group), *partial[1:])

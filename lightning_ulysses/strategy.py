@@ -282,7 +282,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             ulysses_group=self.layout.ulysses_group,
             ring_group=self.layout.ring_group,
             incoming_gradients=[],
-            head_parallel_mixers=not self.zero_stage_3,  # ZeRO-3 gathers submodule weights only as they run
+            mixer_projections_whole=self.zero_stage_3,  # ZeRO-3 gathers submodule weights only as they run
         )
         for model in models:
             hf.prepare_model(model, self._context)
