@@ -25,9 +25,10 @@ registries DeepSpeed walks are never touched.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,11 @@ class HeadSlicing:
         channels: depthwise ``nn.Conv1d`` submodules -> channels to keep.
         parameters: the module's own parameters -> indices to keep along dim 0.
         attributes: integer attributes the forward reads (head counts, widths) -> their narrowed values.
+        modules: other submodules replaced while narrowed (e.g. a norm over channels of several ranks).
+        disabled_functions: functions of the module's modeling file that must not run while narrowed (fused kernels
+            that would see only the narrowed part of a computation spanning the ranks): they return ``None``, which
+            makes transformers take its unfused path.
+        zero3: whether the recipe also works under ZeRO-3 (projections run through themselves).
     """
 
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -51,6 +57,9 @@ class HeadSlicing:
     channels: dict[str, torch.Tensor] = field(default_factory=dict)
     parameters: dict[str, torch.Tensor] = field(default_factory=dict)
     attributes: dict[str, int] = field(default_factory=dict)
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    disabled_functions: tuple[str, ...] = ()
+    zero3: bool = True
 
 
 def _span(start: int, count: int, width: int) -> torch.Tensor:
@@ -95,16 +104,104 @@ def gated_delta_net_slicing(module: nn.Module, rank: int, size: int) -> Optional
     return slicing
 
 
-FAMILIES: list[Callable[[nn.Module, int, int], Optional[HeadSlicing]]] = [gated_delta_net_slicing]
+def mamba2_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
+    """Mamba2 mixers (mamba2, nemotron_h, bamba, granitemoehybrid, zamba2): SSM heads split over the ranks. The
+    input projection is ``[gate | x | B | C | dt]`` and the convolution runs over ``[x | B | C]``; B and C belong to
+    head groups: with one group (the Bamba, Granite 4 and Zamba2 checkpoints) every rank keeps them whole, with a
+    number of groups the ranks divide each rank keeps its heads' groups. The gated RMSNorm normalises over a group's
+    channels: with one group those span every rank, so its sum of squares is all-reduced over the SP group (one
+    all-reduce of ``[B, S, 1]`` forward and backward). ZeRO 0-2 only (the norm's weight is read outside its call)."""
+    names = ("num_heads", "head_dim", "intermediate_size", "n_groups", "ssm_state_size", "conv_dim", "in_proj",
+             "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias")
+    if not all(hasattr(module, name) for name in names) or hasattr(module, "mup_vector"):
+        return None
+    nh, hd, d, ng, ds = module.num_heads, module.head_dim, module.intermediate_size, module.n_groups, module.ssm_state_size
+    norm = module.norm
+    if nh % size or d != nh * hd or not hasattr(norm, "group_size") or not (ng == 1 or ng % size == 0):
+        return None
+    if module.in_proj.out_features != 2 * d + 2 * ng * ds + nh or module.conv_dim != d + 2 * ng * ds:
+        return None
+    h_each = nh // size
+    heads = torch.arange(rank * h_each, (rank + 1) * h_each)
+    x_idx = _span(rank * h_each, h_each, hd)
+    g_each = ng if ng == 1 else ng // size
+    b_idx = torch.arange(ng * ds) if ng == 1 else _span(rank * g_each, g_each, ds)
+    rows = torch.cat([x_idx, d + x_idx, 2 * d + b_idx, 2 * d + ng * ds + b_idx, 2 * d + 2 * ng * ds + heads])
+    conv = torch.cat([x_idx, d + b_idx, d + ng * ds + b_idx])
+    spans_ranks = ng == 1 and size > 1
+    return HeadSlicing(
+        rows={"in_proj": rows}, columns={"out_proj": x_idx}, channels={"conv1d": conv},
+        parameters={"A_log": heads, "D": heads, "dt_bias": heads},
+        attributes={"num_heads": h_each, "intermediate_size": h_each * hd, "n_groups": g_each,
+                    "conv_dim": h_each * hd + 2 * g_each * ds},
+        modules={"norm": _GatedNormAcrossRanks(norm, x_idx, d if spans_ranks else norm.group_size,
+                                               group if spans_ranks else None)},
+        disabled_functions=("mamba2_split_conv1d_scan_combined",), zero3=False)
 
 
-def head_slicing(module: nn.Module, rank: int, size: int) -> Optional[HeadSlicing]:
+def _gated_delta_net_recipe(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
+    return gated_delta_net_slicing(module, rank, size)
+
+
+FAMILIES: list[Callable[..., Optional[HeadSlicing]]] = [_gated_delta_net_recipe, mamba2_slicing]
+
+
+def head_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
     """The first family recipe that applies to ``module`` (``None``: the mixer runs whole)."""
     for recipe in FAMILIES:
-        slicing = recipe(module, rank, size)
+        slicing = recipe(module, rank, size, group)
         if slicing is not None:
             return slicing
     return None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; its backward is the same sum of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _GatedNormAcrossRanks(nn.Module):
+    """transformers' gated RMSNorm of Mamba2 mixers (``x · silu(gate)``, normalised over groups of ``width``
+    channels, times the weight) on this rank's channels ``index``; with a ``group``, one normalisation group spans the
+    ranks and its sum of squares is all-reduced."""
+
+    def __init__(self, norm: nn.Module, index: torch.Tensor, width: int, group: Any) -> None:
+        super().__init__()
+        self.norm, self.index, self.width, self.group = [norm], index, width, group
+        self.variance_epsilon = norm.variance_epsilon
+        self.weight = norm.weight[index.to(norm.weight.device)]  # what a fused call is handed (it returns None here)
+
+    def forward(self, hidden_states: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        norm = self.norm[0]
+        input_dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        if gate is not None:
+            h = h * F.silu(gate.to(torch.float32))
+        if self.group is not None:  # [B, S, 1]: the sum of squares over every rank's channels
+            squares = _AllReduceSum.apply(h.pow(2).sum(-1, keepdim=True), self.group)
+            h = h * torch.rsqrt(squares / self.width + norm.variance_epsilon)
+        else:
+            *prefix, last = h.shape
+            grouped = h.view(*prefix, last // self.width, self.width)
+            grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+            h = grouped.view(*prefix, last)
+        return self.weight * h.to(input_dtype)
 
 
 class _Rows(nn.Module):
@@ -115,6 +212,14 @@ class _Rows(nn.Module):
     def __init__(self, linear: nn.Linear, index: torch.Tensor, through_module: bool) -> None:
         super().__init__()
         self.linear, self.index, self.through_module = [linear], index, through_module  # a list: not a child
+
+    @property
+    def weight(self) -> torch.Tensor:  # what a (disabled) fused call is handed
+        return self.linear[0].weight
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self.linear[0].bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear[0]
@@ -134,6 +239,14 @@ class _Columns(nn.Module):
     def __init__(self, linear: nn.Linear, index: torch.Tensor, with_bias: bool, through_module: bool) -> None:
         super().__init__()
         self.linear, self.index, self.with_bias, self.through_module = [linear], index, with_bias, through_module
+
+    @property
+    def weight(self) -> torch.Tensor:  # what a (disabled) fused call is handed
+        return self.linear[0].weight
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self.linear[0].bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear[0]
@@ -183,15 +296,27 @@ def narrowed(module: nn.Module, slicing: HeadSlicing, rank: int, through_modules
     for name, index in slicing.parameters.items():
         parameter = module._parameters[name]
         shadows[name] = parameter[index.to(parameter.device)]
+    shadows.update(slicing.modules)
     saved_attributes = {name: module.__dict__[name] for name in slicing.attributes}
+    modeling = sys.modules.get(type(module).__module__)
+    saved_functions = {name: getattr(modeling, name) for name in slicing.disabled_functions
+                       if hasattr(modeling, name)}
     try:
         module.__dict__.update(shadows)
         module.__dict__.update(slicing.attributes)
+        for name in saved_functions:
+            setattr(modeling, name, _returns_none)
         yield
     finally:
         for name in shadows:
             module.__dict__.pop(name, None)
         module.__dict__.update(saved_attributes)
+        for name, function in saved_functions.items():
+            setattr(modeling, name, function)
+
+
+def _returns_none(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):

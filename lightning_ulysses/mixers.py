@@ -122,9 +122,9 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
         full = gather_sequence_differentiable(hidden, group)  # [B, S, H]
         shard = context.shard
         rank, sp, s = dist.get_rank(group), dist.get_world_size(group), hidden.shape[1]
-        slicing = head_slicing(module, rank, sp)
+        slicing = head_slicing(module, rank, sp, group)
         through_modules = context.mixer_projections_whole  # ZeRO-3: weights gathered only as submodules run
-        if slicing is not None and through_modules and not supports_zero3(module, slicing):
+        if slicing is not None and through_modules and not (slicing.zero3 and supports_zero3(module, slicing)):
             slicing = None
 
         def run(x: torch.Tensor) -> Any:

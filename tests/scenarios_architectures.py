@@ -75,22 +75,26 @@ def mixer_collectives(payload: dict) -> dict:
     import sys
 
     modeling = sys.modules[type(build_model(payload["arch"])).__module__]
-    recurrence = modeling.torch_chunk_gated_delta_rule
+    name, position = payload.get("recurrence", ("torch_chunk_gated_delta_rule", 2))  # function, [B, S, heads, d] arg
+    recurrence = getattr(modeling, name)
     shapes: list = []
 
-    def spy(query, key, value, *args, **kwargs):  # the shapes the mixer's own recurrence runs on
-        shapes.append(tuple(value.shape))
-        return recurrence(query, key, value, *args, **kwargs)
+    def spy(*args, **kwargs):  # the shapes the mixer's own recurrence runs on
+        shapes.append(tuple(args[position].shape))
+        return recurrence(*args, **kwargs)
 
-    modeling.torch_chunk_gated_delta_rule = spy
+    setattr(modeling, name, spy)
     out = {}
     for m in payload["mixer_layers"]:
         os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
         seed_everything(SEED, verbose=False)
         shapes.clear()
         config = build_config(payload["arch"])
-        config.layer_types = [payload["mixer_kind"]] * m + ["full_attention"]
         config.num_hidden_layers = m + 1
+        if payload.get("mixer_kind"):
+            config.layer_types = [payload["mixer_kind"]] * m + ["full_attention"]
+        else:  # the attention layer last, by index (bamba)
+            config.attn_layer_indices = [m]
         module = CountingCausalLM(tiny_llama_config(num_kv_heads=2), dataset=TokenDataset(2, 32))
         torch.manual_seed(0)
         module.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -98,5 +102,5 @@ def mixer_collectives(payload: dict) -> dict:
         trainer.fit(module)
         out[m] = {"forward": module.forward_counts, "backward": module.backward_counts,
                   "recurrence_value_shapes": sorted(set(shapes))}
-    modeling.torch_chunk_gated_delta_rule = recurrence
+    setattr(modeling, name, recurrence)
     return out

@@ -41,6 +41,8 @@ def results():
         "fits": ["tests.scenarios_steps:run", {"cases": CASES}],
         "counts": ["tests.scenarios_architectures:mixer_collectives",
                    {"arch": "qwen3_next", "mixer_kind": "linear_attention", "mixer_layers": [1, 2]}],
+        "counts_mamba2": ["tests.scenarios_architectures:mixer_collectives",
+                          {"arch": "bamba", "mixer_layers": [1, 2], "recurrence": ("mamba2_chunk_scan", 0)}],
         "counts_zero3": ["tests.scenarios_architectures:mixer_collectives",
                          {"arch": "qwen3_next", "mixer_kind": "linear_attention", "mixer_layers": [1, 2],
                           "stage": 3}],
@@ -95,3 +97,17 @@ def test_head_parallel_mixer_layer_at_zero3(results):
     forward, _ = _per_mixer_layer(counts[0])
     assert forward.get("_reduce_scatter_base_") == 1 and forward.get("_allgather_base_", 0) >= 1
     assert counts[0][1]["recurrence_value_shapes"] == [(1, 32, 2, 16)]
+
+
+def test_head_parallel_mamba2_layer(results):
+    """ZeRO 0-2: a Mamba2 layer with one head group (bamba) runs 4 of its 8 SSM heads per rank over all 32
+    positions; B and C stay whole on every rank and the gated norm's sum of squares is all-reduced (one all-reduce
+    each way) besides the input all-gather and the output reduce-scatter."""
+    counts = [rank["counts_mamba2"] for rank in results]
+    assert counts[0] == counts[1]
+    forward, backward = _per_mixer_layer(counts[0])
+    print(f"[measured] head-parallel Mamba2 (bamba), per mixer layer: forward {forward}, backward {backward}")
+    assert forward == {"_allgather_base_": 1, "_reduce_scatter_base_": 1, "allreduce_": 1}
+    assert backward.get("_allgather_base_") == 1 and backward.get("_reduce_scatter_base_") == 1
+    assert backward.get("allreduce_") == 1
+    assert counts[0][1]["recurrence_value_shapes"] == [(1, 32, 4, 16)]  # [B, S, SSM heads of this rank, head dim]
