@@ -107,9 +107,8 @@ class StepContext:
         step_batch_tensors: the step batch's own ``position_ids`` / ``attention_mask`` tensors (a model call given
             exactly these needs no check).
         device_positions: the current shard's positions on the model's device, ``{(id(shard), device): [B, s]}``.
-        mixer_projections_whole: head-parallel mixers (:mod:`lightning_ulysses.mixer_heads`) run their projections
-            whole and narrow their outputs (ZeRO-3, whose submodule weights exist only while the submodule runs)
-            instead of slicing the weights.
+        zero_stage_3: ZeRO-3 partitions the parameters: sequence mixers register their submodules' weights as
+            external parameters (:mod:`lightning_ulysses.mixers`).
         router_token_mask: ``[B, s]`` bool, the tokens of the last model call that count for the MoE router loss
             (not the padding to the SP multiple; not the batch's padding when the call was given its mask).
     """
@@ -131,7 +130,7 @@ class StepContext:
     step_batch_tensors: dict = field(default_factory=dict)
     device_positions: dict = field(default_factory=dict)
     router_token_mask: Optional[torch.Tensor] = None
-    mixer_projections_whole: bool = False
+    zero_stage_3: bool = False
 
     @property
     def exchange_group(self) -> dist.ProcessGroup:

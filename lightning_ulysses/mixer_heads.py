@@ -15,12 +15,10 @@ rank ``j`` of the SP group:
 
 Exact (a sum over heads instead of one matmul over them), and the mixer's activations and compute per rank fall by
 ``sp``. A family is one :class:`HeadSlicing` recipe in :data:`FAMILIES`, chosen by what the module *is* (its
-attributes and submodules). Under ZeRO-3 the parameters of a module's submodules exist only while DeepSpeed has them
-gathered for that submodule's call, so the projections run themselves there: the input projections' outputs are
-narrowed to this rank's features, the output projection runs on this rank's heads zero-padded to its full width
-(allowed only without a bias); the convolution and recurrence are narrowed as at the other stages. The narrowed
-submodules and parameters shadow the real ones through the module's instance ``__dict__``, so the parameter
-registries DeepSpeed walks are never touched.
+attributes and submodules). The narrowed submodules and parameters shadow the real ones through the module's
+instance ``__dict__``, so the parameter registries DeepSpeed walks are never touched; under ZeRO-3 the submodules'
+weights are registered as external parameters of the mixer (:mod:`lightning_ulysses.mixers`), so they are gathered
+for its whole forward and backward and can be sliced there.
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ class HeadSlicing:
         disabled_functions: functions of the module's modeling file that must not run while narrowed (fused kernels
             that would see only the narrowed part of a computation spanning the ranks): they return ``None``, which
             makes transformers take its unfused path.
-        zero3: whether the recipe also works under ZeRO-3 (projections run through themselves).
     """
 
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -59,7 +56,6 @@ class HeadSlicing:
     attributes: dict[str, int] = field(default_factory=dict)
     modules: dict[str, nn.Module] = field(default_factory=dict)
     disabled_functions: tuple[str, ...] = ()
-    zero3: bool = True
 
 
 def _span(start: int, count: int, width: int) -> torch.Tensor:
@@ -110,7 +106,7 @@ def mamba2_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -
     head groups: with one group (the Bamba, Granite 4 and Zamba2 checkpoints) every rank keeps them whole, with a
     number of groups the ranks divide each rank keeps its heads' groups. The gated RMSNorm normalises over a group's
     channels: with one group those span every rank, so its sum of squares is all-reduced over the SP group (one
-    all-reduce of ``[B, S, 1]`` forward and backward). ZeRO 0-2 only (the norm's weight is read outside its call)."""
+    all-reduce of ``[B, S, 1]`` forward and backward)."""
     names = ("num_heads", "head_dim", "intermediate_size", "n_groups", "ssm_state_size", "conv_dim", "in_proj",
              "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias")
     if not all(hasattr(module, name) for name in names) or hasattr(module, "mup_vector"):
@@ -136,7 +132,7 @@ def mamba2_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -
                     "conv_dim": h_each * hd + 2 * g_each * ds},
         modules={"norm": _GatedNormAcrossRanks(norm, x_idx, d if spans_ranks else norm.group_size,
                                                group if spans_ranks else None)},
-        disabled_functions=("mamba2_split_conv1d_scan_combined",), zero3=False)
+        disabled_functions=("mamba2_split_conv1d_scan_combined",))
 
 
 def _gated_delta_net_recipe(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
@@ -205,13 +201,11 @@ class _GatedNormAcrossRanks(nn.Module):
 
 
 class _Rows(nn.Module):
-    """An input projection narrowed to some output features. ``through_module``: call the projection itself and keep
-    those features (ZeRO-3 gathers a submodule's weight only while the submodule runs): exact, the same activations
-    kept, but the projection's compute is not divided."""
+    """An input projection narrowed to some output features (views of its weight and bias)."""
 
-    def __init__(self, linear: nn.Linear, index: torch.Tensor, through_module: bool) -> None:
+    def __init__(self, linear: nn.Linear, index: torch.Tensor) -> None:
         super().__init__()
-        self.linear, self.index, self.through_module = [linear], index, through_module  # a list: not a child
+        self.linear, self.index = [linear], index  # a list: not registered as a child
 
     @property
     def weight(self) -> torch.Tensor:  # what a (disabled) fused call is handed
@@ -223,22 +217,18 @@ class _Rows(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear[0]
-        if self.through_module:
-            out = linear(x)
-            return out[..., self.index.to(out.device)]
         index = self.index.to(linear.weight.device)
         bias = None if linear.bias is None else linear.bias[index]
         return F.linear(x, linear.weight[index], bias)
 
 
 class _Columns(nn.Module):
-    """An output projection narrowed to some input features (its bias added by rank 0 only). ``through_module``: the
-    input is zero-padded to the full width and the projection itself runs (ZeRO-3; only for projections without
-    bias)."""
+    """An output projection narrowed to some input features; its bias is added by rank 0 only, so that the sum over
+    the ranks adds it once."""
 
-    def __init__(self, linear: nn.Linear, index: torch.Tensor, with_bias: bool, through_module: bool) -> None:
+    def __init__(self, linear: nn.Linear, index: torch.Tensor, with_bias: bool) -> None:
         super().__init__()
-        self.linear, self.index, self.with_bias, self.through_module = [linear], index, with_bias, through_module
+        self.linear, self.index, self.with_bias = [linear], index, with_bias
 
     @property
     def weight(self) -> torch.Tensor:  # what a (disabled) fused call is handed
@@ -250,11 +240,8 @@ class _Columns(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear[0]
-        index = self.index.to(x.device)
-        if self.through_module:
-            full = x.new_zeros((*x.shape[:-1], linear.in_features)).index_copy(-1, index, x)
-            return linear(full)
-        return F.linear(x, linear.weight[:, index], linear.bias if self.with_bias else None)
+        weight = linear.weight[:, self.index.to(linear.weight.device)]
+        return F.linear(x, weight, linear.bias if self.with_bias else None)
 
 
 class _Channels(nn.Module):
@@ -274,23 +261,16 @@ class _Channels(nn.Module):
         return F.conv1d(x, self.weight, self.bias, conv.stride, conv.padding, conv.dilation, self.weight.shape[0])
 
 
-def supports_zero3(module: nn.Module, slicing: HeadSlicing) -> bool:
-    """Under ZeRO-3 the output projections are run through themselves on a zero-padded input, which adds their bias
-    on every rank: only projections without bias qualify."""
-    return all(getattr(module._modules[name], "bias", None) is None for name in slicing.columns)
-
-
 @contextmanager
-def narrowed(module: nn.Module, slicing: HeadSlicing, rank: int, through_modules: bool = False) -> Iterator[None]:
-    """Inside the block ``module`` computes only its heads of ``slicing`` (see the module docstring).
-    ``through_modules``: run the projections themselves (ZeRO-3, see :class:`_Rows`, :class:`_Columns`)."""
+def narrowed(module: nn.Module, slicing: HeadSlicing, rank: int) -> Iterator[None]:
+    """Inside the block ``module`` computes only its heads of ``slicing`` (see the module docstring)."""
     # Narrowed submodules and parameters shadow the real ones through the instance __dict__ (attribute lookup finds
     # it before nn.Module's registries), so the registries DeepSpeed walks keep the real parameters.
     shadows: dict[str, object] = {}
     for name, index in slicing.rows.items():
-        shadows[name] = _Rows(module._modules[name], index, through_modules)
+        shadows[name] = _Rows(module._modules[name], index)
     for name, index in slicing.columns.items():
-        shadows[name] = _Columns(module._modules[name], index, rank == 0, through_modules)
+        shadows[name] = _Columns(module._modules[name], index, rank == 0)
     for name, index in slicing.channels.items():
         shadows[name] = _Channels(module._modules[name], index)
     for name, index in slicing.parameters.items():

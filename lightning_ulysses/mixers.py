@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses.context import StepContext
-from lightning_ulysses.mixer_heads import head_slicing, narrowed, reduce_scatter_sequence, supports_zero3
+from lightning_ulysses.mixer_heads import head_slicing, narrowed, reduce_scatter_sequence
 
 _ORIGINAL = "_ulysses_mixer_forward"
 _HIDDEN_NAMES = ("hidden_states", "input_states", "x")
@@ -110,6 +110,8 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
         return
     original = type(module).forward
     module.__dict__[_ORIGINAL] = original
+    if context.zero_stage_3:  # gather the submodules' weights for this module's whole forward and backward
+        _register_external_parameters(module)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         group = context.exchange_group
@@ -123,15 +125,12 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
         shard = context.shard
         rank, sp, s = dist.get_rank(group), dist.get_world_size(group), hidden.shape[1]
         slicing = head_slicing(module, rank, sp, group)
-        through_modules = context.mixer_projections_whole  # ZeRO-3: weights gathered only as submodules run
-        if slicing is not None and through_modules and not (slicing.zero3 and supports_zero3(module, slicing)):
-            slicing = None
 
         def run(x: torch.Tensor) -> Any:
             return original(module, x, *args, **kwargs)
 
         if slicing is not None:  # this rank's heads over the whole sequence; partial outputs summed over the group
-            with narrowed(module, slicing, rank, through_modules):
+            with narrowed(module, slicing, rank):
                 partial = _per_document(run, full, shard.cu_seqlens) if shard.packed else run(full)  # [B, S, H]
             if isinstance(partial, tuple):
                 return (reduce_scatter_sequence(partial[0], group), *partial[1:])
@@ -145,6 +144,26 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
 def unwrap_sequence_mixer(module: nn.Module) -> None:
     if module.__dict__.pop(_ORIGINAL, None) is not None:
         module.__dict__.pop("forward", None)
+        for parameter in module.__dict__.pop(_EXTERNAL, []):
+            from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
+
+            unregister_external_parameter(module, parameter)
+
+
+_EXTERNAL = "_ulysses_external_parameters"
+
+
+def _register_external_parameters(module: nn.Module) -> None:
+    """Under ZeRO-3 DeepSpeed gathers a submodule's weights only while that submodule runs; registered as external
+    parameters of the mixer they are gathered for the mixer's whole forward and backward, so the head-parallel
+    recipes can slice them there (DeepSpeed's documented way for weights used outside their module)."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    own = {id(p) for p in module.parameters(recurse=False)}
+    registered = [p for p in module.parameters() if id(p) not in own]
+    for parameter in registered:
+        register_external_parameter(module, parameter)
+    module.__dict__[_EXTERNAL] = registered
 
 
 def _take_hidden(args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.Tensor]:

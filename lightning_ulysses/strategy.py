@@ -282,7 +282,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             ulysses_group=self.layout.ulysses_group,
             ring_group=self.layout.ring_group,
             incoming_gradients=[],
-            mixer_projections_whole=self.zero_stage_3,  # ZeRO-3 gathers submodule weights only as they run
+            zero_stage_3=self.zero_stage_3,
         )
         for model in models:
             hf.prepare_model(model, self._context)

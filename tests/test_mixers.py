@@ -43,6 +43,9 @@ def results():
                    {"arch": "qwen3_next", "mixer_kind": "linear_attention", "mixer_layers": [1, 2]}],
         "counts_mamba2": ["tests.scenarios_architectures:mixer_collectives",
                           {"arch": "bamba", "mixer_layers": [1, 2], "recurrence": ("mamba2_chunk_scan", 0)}],
+        "counts_mamba2_zero3": ["tests.scenarios_architectures:mixer_collectives",
+                                {"arch": "bamba", "mixer_layers": [1, 2], "recurrence": ("mamba2_chunk_scan", 0),
+                                 "stage": 3}],
         "counts_zero3": ["tests.scenarios_architectures:mixer_collectives",
                          {"arch": "qwen3_next", "mixer_kind": "linear_attention", "mixer_layers": [1, 2],
                           "stage": 3}],
@@ -89,14 +92,16 @@ def test_head_parallel_mixer_layer_collectives_and_heads(results):
     assert counts[0][1]["recurrence_value_shapes"] == [(1, 32, 2, 16)]  # [B, S, heads of this rank, head dim]
 
 
-def test_head_parallel_mixer_layer_at_zero3(results):
-    """ZeRO-3 (submodule weights gathered only while they run): the projections run themselves and are narrowed on
-    their outputs / zero-padded inputs; the recurrence still sees 2 of the 4 heads over all 32 positions and the
-    output is reduce-scattered (ZeRO-3's own parameter gathers are all-gathers too, so those are not counted)."""
-    counts = [rank["counts_zero3"] for rank in results]
+@pytest.mark.parametrize("name, shape", [("counts_zero3", (1, 32, 2, 16)), ("counts_mamba2_zero3", (1, 32, 4, 16))])
+def test_head_parallel_mixer_layer_at_zero3(results, name, shape):
+    """ZeRO-3: the mixer's submodule weights are external parameters of the mixer (gathered for its whole forward and
+    backward), so the recipes slice them as at the other stages: the recurrence sees half of the heads over all 32
+    positions and the output is reduce-scattered (ZeRO-3's own parameter gathers are all-gathers too, so those are not
+    counted)."""
+    counts = [rank[name] for rank in results]
     forward, _ = _per_mixer_layer(counts[0])
     assert forward.get("_reduce_scatter_base_") == 1 and forward.get("_allgather_base_", 0) >= 1
-    assert counts[0][1]["recurrence_value_shapes"] == [(1, 32, 2, 16)]
+    assert counts[0][1]["recurrence_value_shapes"] == [shape]
 
 
 def test_head_parallel_mamba2_layer(results):
