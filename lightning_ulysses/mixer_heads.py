@@ -44,6 +44,7 @@ class HeadSlicing:
         parameters: the module's own parameters -> indices to keep along dim 0.
         attributes: integer attributes the forward reads (head counts, widths) -> their narrowed values.
         modules: other submodules replaced while narrowed (e.g. a norm over channels of several ranks).
+        buffers: the module's own per-head buffers -> (dim of the heads, indices to keep).
         disabled_functions: functions of the module's modeling file that must not run while narrowed (fused kernels
             that would see only the narrowed part of a computation spanning the ranks): they return ``None``, which
             makes transformers take its unfused path.
@@ -55,6 +56,7 @@ class HeadSlicing:
     parameters: dict[str, torch.Tensor] = field(default_factory=dict)
     attributes: dict[str, int] = field(default_factory=dict)
     modules: dict[str, nn.Module] = field(default_factory=dict)
+    buffers: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     disabled_functions: tuple[str, ...] = ()
 
 
@@ -135,11 +137,35 @@ def mamba2_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -
         disabled_functions=("mamba2_split_conv1d_scan_combined",))
 
 
+def lightning_attention_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
+    """Lightning attention (minimax): heads split over the ranks with their per-head decays (``slope_rate`` and the
+    decay buffers); ``qkv_proj`` rows are ``3 · head_dim`` per head, ``output_gate`` rows and ``out_proj`` columns
+    ``head_dim`` per head; the RMSNorm over all heads' channels all-reduces its sum of squares over the SP group."""
+    names = ("num_attention_heads", "head_dim", "qkv_proj", "output_gate", "out_proj", "norm", "slope_rate",
+             "query_decay", "key_decay", "diagonal_decay")
+    if not all(hasattr(module, name) for name in names) or module.num_attention_heads % size:
+        return None
+    nh, hd = module.num_attention_heads, module.head_dim
+    if module.qkv_proj.out_features != 3 * nh * hd or module.diagonal_decay.shape[1] != nh:
+        return None
+    each = nh // size
+    heads = torch.arange(rank * each, (rank + 1) * each)
+    channels = _span(rank * each, each, hd)
+    norm = module.norm
+    return HeadSlicing(
+        rows={"qkv_proj": _span(rank * each, each, 3 * hd), "output_gate": channels}, columns={"out_proj": channels},
+        buffers={"slope_rate": (0, heads), "query_decay": (0, heads), "key_decay": (0, heads),
+                 "diagonal_decay": (1, heads)},
+        attributes={"num_attention_heads": each},
+        modules={"norm": _GatedNormAcrossRanks(norm, channels, nh * hd, group if size > 1 else None)})
+
+
 def _gated_delta_net_recipe(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
     return gated_delta_net_slicing(module, rank, size)
 
 
-FAMILIES: list[Callable[..., Optional[HeadSlicing]]] = [_gated_delta_net_recipe, mamba2_slicing]
+FAMILIES: list[Callable[..., Optional[HeadSlicing]]] = [_gated_delta_net_recipe, mamba2_slicing,
+                                                       lightning_attention_slicing]
 
 
 def head_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
@@ -276,6 +302,9 @@ def narrowed(module: nn.Module, slicing: HeadSlicing, rank: int) -> Iterator[Non
     for name, index in slicing.parameters.items():
         parameter = module._parameters[name]
         shadows[name] = parameter[index.to(parameter.device)]
+    for name, (dim, index) in slicing.buffers.items():
+        buffer = module._buffers[name]
+        shadows[name] = buffer.index_select(dim, index.to(buffer.device))
     shadows.update(slicing.modules)
     saved_attributes = {name: module.__dict__[name] for name in slicing.attributes}
     modeling = sys.modules.get(type(module).__module__)

@@ -75,15 +75,17 @@ def mixer_collectives(payload: dict) -> dict:
     import sys
 
     modeling = sys.modules[type(build_model(payload["arch"])).__module__]
-    name, position = payload.get("recurrence", ("torch_chunk_gated_delta_rule", 2))  # function, [B, S, heads, d] arg
-    recurrence = getattr(modeling, name)
+    # (function, index of its [B, S, heads, d] argument), or None: no module-level recurrence to watch
+    name, position = payload.get("recurrence", ("torch_chunk_gated_delta_rule", 2)) or (None, None)
+    recurrence = getattr(modeling, name) if name else None
     shapes: list = []
 
     def spy(*args, **kwargs):  # the shapes the mixer's own recurrence runs on
         shapes.append(tuple(args[position].shape))
         return recurrence(*args, **kwargs)
 
-    setattr(modeling, name, spy)
+    if name:
+        setattr(modeling, name, spy)
     out = {}
     for m in payload["mixer_layers"]:
         os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
@@ -102,5 +104,6 @@ def mixer_collectives(payload: dict) -> dict:
         trainer.fit(module)
         out[m] = {"forward": module.forward_counts, "backward": module.backward_counts,
                   "recurrence_value_shapes": sorted(set(shapes))}
-    setattr(modeling, name, recurrence)
+    if name:
+        setattr(modeling, name, recurrence)
     return out

@@ -43,6 +43,9 @@ def results():
                    {"arch": "qwen3_next", "mixer_kind": "linear_attention", "mixer_layers": [1, 2]}],
         "counts_mamba2": ["tests.scenarios_architectures:mixer_collectives",
                           {"arch": "bamba", "mixer_layers": [1, 2], "recurrence": ("mamba2_chunk_scan", 0)}],
+        "counts_lightning": ["tests.scenarios_architectures:mixer_collectives",
+                             {"arch": "minimax", "mixer_kind": "linear_attention", "mixer_layers": [1, 2],
+                              "recurrence": None}],
         "counts_mamba2_zero3": ["tests.scenarios_architectures:mixer_collectives",
                                 {"arch": "bamba", "mixer_layers": [1, 2], "recurrence": ("mamba2_chunk_scan", 0),
                                  "stage": 3}],
@@ -116,3 +119,14 @@ def test_head_parallel_mamba2_layer(results):
     assert backward.get("_allgather_base_") == 1 and backward.get("_reduce_scatter_base_") == 1
     assert backward.get("allreduce_") == 1
     assert counts[0][1]["recurrence_value_shapes"] == [(1, 32, 4, 16)]  # [B, S, SSM heads of this rank, head dim]
+
+
+def test_head_parallel_lightning_attention_layer(results):
+    """Lightning attention (minimax) runs half of its heads per rank: its RMSNorm over every head's channels
+    all-reduces the sum of squares (a local norm instead is 37% off, checked by hand)."""
+    counts = [rank["counts_lightning"] for rank in results]
+    assert counts[0] == counts[1]
+    forward, backward = _per_mixer_layer(counts[0])
+    print(f"[measured] head-parallel lightning attention, per mixer layer: forward {forward}, backward {backward}")
+    assert forward == {"_allgather_base_": 1, "_reduce_scatter_base_": 1, "allreduce_": 1}
+    assert backward.get("_allgather_base_") == 1 and backward.get("_reduce_scatter_base_") == 1
