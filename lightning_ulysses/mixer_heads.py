@@ -168,13 +168,26 @@ FAMILIES: list[Callable[..., Optional[HeadSlicing]]] = [_gated_delta_net_recipe,
                                                        lightning_attention_slicing]
 
 
-def head_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
-    """The first family recipe that applies to ``module`` (``None``: the mixer runs whole)."""
+def head_slicing(module: nn.Module, rank: int, size: int, group: Any = None,
+                 device: Optional[torch.device] = None) -> Optional[HeadSlicing]:
+    """The first family recipe that applies to ``module`` (``None``: the mixer runs whole), its indices on
+    ``device`` (the mixer's weights'), built once per mixer by :mod:`lightning_ulysses.mixers`."""
     for recipe in FAMILIES:
         slicing = recipe(module, rank, size, group)
         if slicing is not None:
-            return slicing
+            return _on_device(slicing, device) if device is not None else slicing
     return None
+
+
+def _on_device(slicing: HeadSlicing, device: torch.device) -> HeadSlicing:
+    for table in (slicing.rows, slicing.columns, slicing.channels, slicing.parameters):
+        for name, index in table.items():
+            table[name] = index.to(device)
+    slicing.buffers = {name: (dim, index.to(device)) for name, (dim, index) in slicing.buffers.items()}
+    for shim in slicing.modules.values():
+        if isinstance(getattr(shim, "index", None), torch.Tensor):
+            shim.index = shim.index.to(device)
+    return slicing
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -207,7 +220,10 @@ class _GatedNormAcrossRanks(nn.Module):
         super().__init__()
         self.norm, self.index, self.width, self.group = [norm], index, width, group
         self.variance_epsilon = norm.variance_epsilon
-        self.weight = norm.weight[index.to(norm.weight.device)]  # what a fused call is handed (it returns None here)
+
+    @property
+    def weight(self) -> torch.Tensor:  # sliced at use (the recipe is built once; the weight changes every step)
+        return self.norm[0].weight[self.index]
 
     def forward(self, hidden_states: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         norm = self.norm[0]
@@ -226,48 +242,41 @@ class _GatedNormAcrossRanks(nn.Module):
         return self.weight * h.to(input_dtype)
 
 
-class _Rows(nn.Module):
-    """An input projection narrowed to some output features (views of its weight and bias)."""
+class _NarrowedLinear(nn.Module):
+    """A projection narrowed to some features; ``weight``/``bias`` are the real ones (what a disabled fused call is
+    handed)."""
 
     def __init__(self, linear: nn.Linear, index: torch.Tensor) -> None:
         super().__init__()
         self.linear, self.index = [linear], index  # a list: not registered as a child
 
     @property
-    def weight(self) -> torch.Tensor:  # what a (disabled) fused call is handed
+    def weight(self) -> torch.Tensor:
         return self.linear[0].weight
 
     @property
     def bias(self) -> Optional[torch.Tensor]:
         return self.linear[0].bias
 
+
+class _Rows(_NarrowedLinear):
+    """An input projection narrowed to some output features (views of its weight and bias)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linear = self.linear[0]
-        index = self.index.to(linear.weight.device)
-        bias = None if linear.bias is None else linear.bias[index]
-        return F.linear(x, linear.weight[index], bias)
+        bias = None if self.bias is None else self.bias[self.index]
+        return F.linear(x, self.weight[self.index], bias)
 
 
-class _Columns(nn.Module):
+class _Columns(_NarrowedLinear):
     """An output projection narrowed to some input features; its bias is added by rank 0 only, so that the sum over
     the ranks adds it once."""
 
     def __init__(self, linear: nn.Linear, index: torch.Tensor, with_bias: bool) -> None:
-        super().__init__()
-        self.linear, self.index, self.with_bias = [linear], index, with_bias
-
-    @property
-    def weight(self) -> torch.Tensor:  # what a (disabled) fused call is handed
-        return self.linear[0].weight
-
-    @property
-    def bias(self) -> Optional[torch.Tensor]:
-        return self.linear[0].bias
+        super().__init__(linear, index)
+        self.with_bias = with_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linear = self.linear[0]
-        weight = linear.weight[:, self.index.to(linear.weight.device)]
-        return F.linear(x, weight, linear.bias if self.with_bias else None)
+        return F.linear(x, self.weight[:, self.index], self.bias if self.with_bias else None)
 
 
 class _Channels(nn.Module):
@@ -276,7 +285,6 @@ class _Channels(nn.Module):
 
     def __init__(self, conv: nn.Conv1d, index: torch.Tensor) -> None:
         super().__init__()
-        index = index.to(conv.weight.device)
         self.conv = [conv]
         self.weight = conv.weight[index]
         self.bias = None if conv.bias is None else conv.bias[index]
@@ -300,11 +308,9 @@ def narrowed(module: nn.Module, slicing: HeadSlicing, rank: int) -> Iterator[Non
     for name, index in slicing.channels.items():
         shadows[name] = _Channels(module._modules[name], index)
     for name, index in slicing.parameters.items():
-        parameter = module._parameters[name]
-        shadows[name] = parameter[index.to(parameter.device)]
+        shadows[name] = module._parameters[name][index]
     for name, (dim, index) in slicing.buffers.items():
-        buffer = module._buffers[name]
-        shadows[name] = buffer.index_select(dim, index.to(buffer.device))
+        shadows[name] = module._buffers[name].index_select(dim, index)
     shadows.update(slicing.modules)
     saved_attributes = {name: module.__dict__[name] for name in slicing.attributes}
     modeling = sys.modules.get(type(module).__module__)

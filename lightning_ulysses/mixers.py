@@ -112,6 +112,7 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
     module.__dict__[_ORIGINAL] = original
     if context.zero_stage_3:  # gather the submodules' weights for this module's whole forward and backward
         _register_external_parameters(module)
+    recipes: dict[tuple[int, int], Any] = {}  # (rank, sp) -> this mixer's head slicing (or None), built once
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         group = context.exchange_group
@@ -124,7 +125,9 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
         full = gather_sequence_differentiable(hidden, group)  # [B, S, H]
         shard = context.shard
         rank, sp, s = dist.get_rank(group), dist.get_world_size(group), hidden.shape[1]
-        slicing = head_slicing(module, rank, sp, group)
+        if (rank, sp) not in recipes:
+            recipes[(rank, sp)] = head_slicing(module, rank, sp, group, hidden.device)
+        slicing = recipes[(rank, sp)]
 
         def run(x: torch.Tensor) -> Any:
             return original(module, x, *args, **kwargs)

@@ -50,9 +50,10 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str, ring_size: 
             + (" On CPU only 'sdpa' runs, which this model does not support." if "sdpa" not in usable else "")
         )
     refuse_unsupported_architecture(model)
-    if ring_size > 1 and sequence_mixers(model):
+    mixers = sequence_mixers(model)
+    if ring_size > 1 and mixers:
         raise ValueError(
-            f"{name} has sequence mixers other than attention ({sorted({type(m).__name__ for m in sequence_mixers(model)})}),"
+            f"{name} has sequence mixers other than attention ({sorted({type(m).__name__ for m in mixers})}),"
             f" which run on the whole sequence gathered over the SP group; with ring_size={ring_size} the shards are"
             " not contiguous. Use ring_size=1 for this architecture."
         )

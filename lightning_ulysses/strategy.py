@@ -428,9 +428,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         return step_token_mean(context, values, w)
 
     def _default_token_mask(self, shard: ShardInfo) -> torch.Tensor:
-        stats_labels = getattr(self, "_step_shift_labels", None)
-        if stats_labels is not None:
-            return stats_labels != -100
+        if self._step_shift_labels is not None:
+            return self._step_shift_labels != -100
         real = torch.ones(shard.shard_shape, dtype=torch.bool)  # type: ignore[arg-type]
         if shard.attention_mask is not None:
             real &= shard.attention_mask.bool()
@@ -787,7 +786,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         for model in self._prepared_models:
             memory.disable(model)
             hf.restore_model(model)
-        for model in self._prepared_models:
             generation.remove_plain_generate(model)
         for core in self._wrapped_cores:
             unwrap_attention_core(core)

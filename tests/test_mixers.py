@@ -81,14 +81,20 @@ def _per_mixer_layer(counts: dict) -> tuple[dict, dict]:
     return {op: n for op, n in forward.items() if n}, {op: n for op, n in backward.items() if n}
 
 
+def _agreed_per_layer_counts(results, name: str, label: str) -> tuple[list, dict, dict]:
+    """Both ranks' counts of launch part ``name`` (equal on both), and the collectives one mixer layer adds."""
+    counts = [rank[name] for rank in results]
+    assert counts[0] == counts[1]
+    forward, backward = _per_mixer_layer(counts[0])
+    print(f"[measured] {label}, per mixer layer: forward {forward}, backward {backward}")
+    return counts, forward, backward
+
+
 def test_head_parallel_mixer_layer_collectives_and_heads(results):
     """ZeRO 0-2: a gated-delta-net layer runs half of its heads per rank over the whole sequence: one all-gather of
     its input and one reduce-scatter of its output forward, the same two backward; the recurrence sees 2 of the 4
     value heads and all 32 positions."""
-    counts = [rank["counts"] for rank in results]
-    assert counts[0] == counts[1]
-    forward, backward = _per_mixer_layer(counts[0])
-    print(f"[measured] head-parallel gated delta net, per mixer layer: forward {forward}, backward {backward}")
+    counts, forward, backward = _agreed_per_layer_counts(results, "counts", "head-parallel gated delta net")
     assert forward == {"_allgather_base_": 1, "_reduce_scatter_base_": 1}
     assert backward.get("_allgather_base_") == 1 and backward.get("_reduce_scatter_base_") == 1
     assert counts[0][1]["forward"]["alltoall_base_"] == 2  # the attention layer's exchange, unchanged
@@ -111,10 +117,7 @@ def test_head_parallel_mamba2_layer(results):
     """ZeRO 0-2: a Mamba2 layer with one head group (bamba) runs 4 of its 8 SSM heads per rank over all 32
     positions; B and C stay whole on every rank and the gated norm's sum of squares is all-reduced (one all-reduce
     each way) besides the input all-gather and the output reduce-scatter."""
-    counts = [rank["counts_mamba2"] for rank in results]
-    assert counts[0] == counts[1]
-    forward, backward = _per_mixer_layer(counts[0])
-    print(f"[measured] head-parallel Mamba2 (bamba), per mixer layer: forward {forward}, backward {backward}")
+    counts, forward, backward = _agreed_per_layer_counts(results, "counts_mamba2", "head-parallel Mamba2 (bamba)")
     assert forward == {"_allgather_base_": 1, "_reduce_scatter_base_": 1, "allreduce_": 1}
     assert backward.get("_allgather_base_") == 1 and backward.get("_reduce_scatter_base_") == 1
     assert backward.get("allreduce_") == 1
@@ -124,9 +127,6 @@ def test_head_parallel_mamba2_layer(results):
 def test_head_parallel_lightning_attention_layer(results):
     """Lightning attention (minimax) runs half of its heads per rank: its RMSNorm over every head's channels
     all-reduces the sum of squares (a local norm instead is 37% off, checked by hand)."""
-    counts = [rank["counts_lightning"] for rank in results]
-    assert counts[0] == counts[1]
-    forward, backward = _per_mixer_layer(counts[0])
-    print(f"[measured] head-parallel lightning attention, per mixer layer: forward {forward}, backward {backward}")
+    counts, forward, backward = _agreed_per_layer_counts(results, "counts_lightning", "head-parallel lightning attention")
     assert forward == {"_allgather_base_": 1, "_reduce_scatter_base_": 1, "allreduce_": 1}
     assert backward.get("_allgather_base_") == 1 and backward.get("_reduce_scatter_base_") == 1
