@@ -14,8 +14,9 @@ rank ``j`` of the SP group:
    reduce-scatter; its backward is an all-gather).
 
 Exact (a sum over heads instead of one matmul over them), and the mixer's activations and compute per rank fall by
-``sp``. A family is one :class:`HeadSlicing` recipe in :data:`FAMILIES`, chosen by what the module *is* (its
-attributes and submodules). The narrowed submodules and parameters shadow the real ones through the module's
+``sp``. A family is one :class:`HeadSlicing` recipe, one module of :mod:`lightning_ulysses.mixer_families`, chosen by
+what the module *is* (its attributes and submodules). Heads that ``sp`` does not divide split unevenly (the first
+ranks take one more, as attention's heads do). The narrowed submodules and parameters shadow the real ones through the module's
 instance ``__dict__``, so the parameter registries DeepSpeed walks are never touched; under ZeRO-3 the submodules'
 weights are registered as external parameters of the mixer (:mod:`lightning_ulysses.mixers`), so they are gathered
 for its whole forward and backward and can be sliced there.
@@ -24,9 +25,9 @@ for its whole forward and backward and can be sliced there.
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,13 +39,17 @@ class HeadSlicing:
     """How to narrow one module to a subset of its heads.
 
     Attributes:
-        rows: input projections (``nn.Linear`` submodule names) -> output-feature indices to keep.
+        rows: input projections (``nn.Linear`` submodule names) -> output-feature indices to keep; the narrowed
+            projection's ``weight``/``bias`` are the slices (for forwards that read ``proj.weight`` directly).
         columns: output projections -> input-feature indices to keep (the bias is added by rank 0 only).
+        summed_columns: projections contracting over the heads whose output every rank needs whole (Mamba1's
+            ``x_proj``): input features kept as ``columns``, the partial outputs all-reduced over the SP group.
         channels: depthwise ``nn.Conv1d`` submodules -> channels to keep.
-        parameters: the module's own parameters -> indices to keep along dim 0.
+        parameters: the module's own parameters -> indices to keep along dim 0, or ``(dim, indices)``.
         attributes: integer attributes the forward reads (head counts, widths) -> their narrowed values.
         modules: other submodules replaced while narrowed (e.g. a norm over channels of several ranks).
         buffers: the module's own per-head buffers -> (dim of the heads, indices to keep).
+        children: submodules narrowed by their own recipe (e.g. Kimi's forget gate).
         disabled_functions: functions of the module's modeling file that must not run while narrowed (fused kernels
             that would see only the narrowed part of a computation spanning the ranks): they return ``None``, which
             makes transformers take its unfused path.
@@ -52,141 +57,57 @@ class HeadSlicing:
 
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
     columns: dict[str, torch.Tensor] = field(default_factory=dict)
+    summed_columns: dict[str, torch.Tensor] = field(default_factory=dict)
     channels: dict[str, torch.Tensor] = field(default_factory=dict)
-    parameters: dict[str, torch.Tensor] = field(default_factory=dict)
+    parameters: dict[str, Any] = field(default_factory=dict)
     attributes: dict[str, int] = field(default_factory=dict)
     modules: dict[str, nn.Module] = field(default_factory=dict)
     buffers: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    children: dict[str, "HeadSlicing"] = field(default_factory=dict)
     disabled_functions: tuple[str, ...] = ()
+    group: Any = None  # the SP group (for summed_columns)
 
 
-def _span(start: int, count: int, width: int) -> torch.Tensor:
+def share(count: int, rank: int, size: int) -> tuple[int, int]:
+    """``(first, number)`` of ``count`` heads taken by ``rank`` of ``size``: consecutive blocks, the first
+    ``count % size`` ranks one more (as attention's uneven head split)."""
+    base, extra = divmod(count, size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+def span(start: int, count: int, width: int) -> torch.Tensor:
     """Indices of ``count`` consecutive blocks of ``width`` starting at block ``start``."""
     return torch.arange(start * width, (start + count) * width)
 
 
-def gated_delta_net_slicing(module: nn.Module, rank: int, size: int) -> Optional[HeadSlicing]:
-    """Gated delta nets (qwen3_next, qwen3_5, qwen3_5_moe, olmo_hybrid): key heads split over the ranks, each with
-    its value heads (``num_v_heads / num_k_heads`` per key head). ``None`` if the layout is not one of these or the
-    key heads do not split evenly."""
-    names = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv1d", "A_log", "dt_bias")
-    if not all(hasattr(module, name) for name in names) or module.num_k_heads % size:
-        return None
-    nk, nv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
-    k_each, v_each = nk // size, nv // size
-    if nv % nk:
-        return None
-    k0, v0 = rank * k_each, rank * v_each
-    q_idx = _span(k0, k_each, dk)  # within the key part
-    v_idx = _span(v0, v_each, dv)
-    conv = torch.cat([q_idx, nk * dk + q_idx, 2 * nk * dk + v_idx])  # channels [q | k | v] of my heads
-    heads = torch.arange(v0, v0 + v_each)
-    slicing = HeadSlicing(channels={"conv1d": conv}, parameters={"A_log": heads, "dt_bias": heads},
-                          attributes={"num_k_heads": k_each, "num_v_heads": v_each, "key_dim": k_each * dk,
-                                      "value_dim": v_each * dv, "conv_dim": 2 * k_each * dk + v_each * dv})
-    children = dict(module.named_children())
-    if "in_proj_qkvz" in children and "in_proj_ba" in children:  # qwen3_next: rows grouped by key head
-        group = 2 * dk + 2 * (nv // nk) * dv
-        slicing.rows = {"in_proj_qkvz": _span(k0, k_each, group), "in_proj_ba": _span(k0, k_each, 2 * (nv // nk))}
-    elif all(name in children for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")):  # qwen3_5
-        slicing.rows = {"in_proj_qkv": conv, "in_proj_z": v_idx, "in_proj_b": heads, "in_proj_a": heads}
-    elif all(name in children for name in ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj")):  # olmo
-        slicing.rows = {"q_proj": q_idx, "k_proj": q_idx, "v_proj": v_idx, "a_proj": heads, "b_proj": heads,
-                        "g_proj": v_idx}
-    else:
-        return None
-    out = "out_proj" if "out_proj" in children else "o_proj" if "o_proj" in children else None
-    if out is None:
-        return None
-    slicing.columns = {out: v_idx}
-    return slicing
-
-
-def mamba2_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
-    """Mamba2 mixers (mamba2, nemotron_h, bamba, granitemoehybrid, zamba2): SSM heads split over the ranks. The
-    input projection is ``[gate | x | B | C | dt]`` and the convolution runs over ``[x | B | C]``; B and C belong to
-    head groups: with one group (the Bamba, Granite 4 and Zamba2 checkpoints) every rank keeps them whole, with a
-    number of groups the ranks divide each rank keeps its heads' groups. The gated RMSNorm normalises over a group's
-    channels: with one group those span every rank, so its sum of squares is all-reduced over the SP group (one
-    all-reduce of ``[B, S, 1]`` forward and backward)."""
-    names = ("num_heads", "head_dim", "intermediate_size", "n_groups", "ssm_state_size", "conv_dim", "in_proj",
-             "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias")
-    if not all(hasattr(module, name) for name in names) or hasattr(module, "mup_vector"):
-        return None
-    nh, hd, d, ng, ds = module.num_heads, module.head_dim, module.intermediate_size, module.n_groups, module.ssm_state_size
-    norm = module.norm
-    if nh % size or d != nh * hd or not hasattr(norm, "group_size") or not (ng == 1 or ng % size == 0):
-        return None
-    if module.in_proj.out_features != 2 * d + 2 * ng * ds + nh or module.conv_dim != d + 2 * ng * ds:
-        return None
-    h_each = nh // size
-    heads = torch.arange(rank * h_each, (rank + 1) * h_each)
-    x_idx = _span(rank * h_each, h_each, hd)
-    g_each = ng if ng == 1 else ng // size
-    b_idx = torch.arange(ng * ds) if ng == 1 else _span(rank * g_each, g_each, ds)
-    rows = torch.cat([x_idx, d + x_idx, 2 * d + b_idx, 2 * d + ng * ds + b_idx, 2 * d + 2 * ng * ds + heads])
-    conv = torch.cat([x_idx, d + b_idx, d + ng * ds + b_idx])
-    spans_ranks = ng == 1 and size > 1
-    return HeadSlicing(
-        rows={"in_proj": rows}, columns={"out_proj": x_idx}, channels={"conv1d": conv},
-        parameters={"A_log": heads, "D": heads, "dt_bias": heads},
-        attributes={"num_heads": h_each, "intermediate_size": h_each * hd, "n_groups": g_each,
-                    "conv_dim": h_each * hd + 2 * g_each * ds},
-        modules={"norm": _GatedNormAcrossRanks(norm, x_idx, d if spans_ranks else norm.group_size,
-                                               group if spans_ranks else None)},
-        disabled_functions=("mamba2_split_conv1d_scan_combined",))
-
-
-def lightning_attention_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
-    """Lightning attention (minimax): heads split over the ranks with their per-head decays (``slope_rate`` and the
-    decay buffers); ``qkv_proj`` rows are ``3 · head_dim`` per head, ``output_gate`` rows and ``out_proj`` columns
-    ``head_dim`` per head; the RMSNorm over all heads' channels all-reduces its sum of squares over the SP group."""
-    names = ("num_attention_heads", "head_dim", "qkv_proj", "output_gate", "out_proj", "norm", "slope_rate",
-             "query_decay", "key_decay", "diagonal_decay")
-    if not all(hasattr(module, name) for name in names) or module.num_attention_heads % size:
-        return None
-    nh, hd = module.num_attention_heads, module.head_dim
-    if module.qkv_proj.out_features != 3 * nh * hd or module.diagonal_decay.shape[1] != nh:
-        return None
-    each = nh // size
-    heads = torch.arange(rank * each, (rank + 1) * each)
-    channels = _span(rank * each, each, hd)
-    norm = module.norm
-    return HeadSlicing(
-        rows={"qkv_proj": _span(rank * each, each, 3 * hd), "output_gate": channels}, columns={"out_proj": channels},
-        buffers={"slope_rate": (0, heads), "query_decay": (0, heads), "key_decay": (0, heads),
-                 "diagonal_decay": (1, heads)},
-        attributes={"num_attention_heads": each},
-        modules={"norm": _GatedNormAcrossRanks(norm, channels, nh * hd, group if size > 1 else None)})
-
-
-def _gated_delta_net_recipe(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
-    return gated_delta_net_slicing(module, rank, size)
-
-
-FAMILIES: list[Callable[..., Optional[HeadSlicing]]] = [_gated_delta_net_recipe, mamba2_slicing,
-                                                       lightning_attention_slicing]
-
-
 def head_slicing(module: nn.Module, rank: int, size: int, group: Any = None,
                  device: Optional[torch.device] = None) -> Optional[HeadSlicing]:
-    """The first family recipe that applies to ``module`` (``None``: the mixer runs whole), its indices on
-    ``device`` (the mixer's weights'), built once per mixer by :mod:`lightning_ulysses.mixers`."""
+    """The first family recipe of :data:`lightning_ulysses.mixer_families.FAMILIES` that applies to ``module``
+    (``None``: the mixer runs whole), its indices on ``device`` (the mixer's weights'), built once per mixer by
+    :mod:`lightning_ulysses.mixers`."""
+    from lightning_ulysses.mixer_families import FAMILIES
+
     for recipe in FAMILIES:
         slicing = recipe(module, rank, size, group)
         if slicing is not None:
+            slicing.group = group
             return _on_device(slicing, device) if device is not None else slicing
     return None
 
 
 def _on_device(slicing: HeadSlicing, device: torch.device) -> HeadSlicing:
-    for table in (slicing.rows, slicing.columns, slicing.channels, slicing.parameters):
+    for table in (slicing.rows, slicing.columns, slicing.summed_columns, slicing.channels):
         for name, index in table.items():
             table[name] = index.to(device)
+    slicing.parameters = {name: (index[0], index[1].to(device)) if isinstance(index, tuple) else index.to(device)
+                          for name, index in slicing.parameters.items()}
     slicing.buffers = {name: (dim, index.to(device)) for name, (dim, index) in slicing.buffers.items()}
     for shim in slicing.modules.values():
         if isinstance(getattr(shim, "index", None), torch.Tensor):
             shim.index = shim.index.to(device)
+    for child in slicing.children.values():
+        child.group = slicing.group
+        _on_device(child, device)
     return slicing
 
 
@@ -229,7 +150,8 @@ class _GatedNormAcrossRanks(nn.Module):
         norm = self.norm[0]
         input_dtype = hidden_states.dtype
         h = hidden_states.to(torch.float32)
-        if gate is not None:
+        gate_after = getattr(norm, "norm_before_gate", False)  # Falcon-H1's option: normalise, then gate
+        if gate is not None and not gate_after:
             h = h * F.silu(gate.to(torch.float32))
         if self.group is not None:  # [B, S, 1]: the sum of squares over every rank's channels
             squares = _AllReduceSum.apply(h.pow(2).sum(-1, keepdim=True), self.group)
@@ -239,6 +161,8 @@ class _GatedNormAcrossRanks(nn.Module):
             grouped = h.view(*prefix, last // self.width, self.width)
             grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
             h = grouped.view(*prefix, last)
+        if gate is not None and gate_after:
+            return (self.weight * h * F.silu(gate.to(torch.float32))).to(input_dtype)
         return self.weight * h.to(input_dtype)
 
 
@@ -260,11 +184,20 @@ class _NarrowedLinear(nn.Module):
 
 
 class _Rows(_NarrowedLinear):
-    """An input projection narrowed to some output features (views of its weight and bias)."""
+    """An input projection narrowed to some output features; ``weight``/``bias`` are the slices (Mamba1 reads
+    ``dt_proj.weight`` directly)."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear[0].weight[self.index]
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        bias = self.linear[0].bias
+        return None if bias is None else bias[self.index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias[self.index]
-        return F.linear(x, self.weight[self.index], bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class _Columns(_NarrowedLinear):
@@ -277,6 +210,18 @@ class _Columns(_NarrowedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight[:, self.index], self.bias if self.with_bias else None)
+
+
+class _SummedColumns(_Columns):
+    """A projection contracting over the heads whose output every rank needs whole: this rank's input features'
+    partial product, all-reduced over the SP group (``[B, S, out]``, forward and backward); rank 0 adds the bias."""
+
+    def __init__(self, linear: nn.Linear, index: torch.Tensor, with_bias: bool, group: Any) -> None:
+        super().__init__(linear, index, with_bias)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _AllReduceSum.apply(super().forward(x), self.group)
 
 
 class _Channels(nn.Module):
@@ -298,6 +243,15 @@ class _Channels(nn.Module):
 @contextmanager
 def narrowed(module: nn.Module, slicing: HeadSlicing, rank: int) -> Iterator[None]:
     """Inside the block ``module`` computes only its heads of ``slicing`` (see the module docstring)."""
+    with ExitStack() as stack:
+        for name, child in slicing.children.items():
+            stack.enter_context(narrowed(module._modules[name], child, rank))
+        stack.enter_context(_narrowed_here(module, slicing, rank))
+        yield
+
+
+@contextmanager
+def _narrowed_here(module: nn.Module, slicing: HeadSlicing, rank: int) -> Iterator[None]:
     # Narrowed submodules and parameters shadow the real ones through the instance __dict__ (attribute lookup finds
     # it before nn.Module's registries), so the registries DeepSpeed walks keep the real parameters.
     shadows: dict[str, object] = {}
@@ -305,10 +259,13 @@ def narrowed(module: nn.Module, slicing: HeadSlicing, rank: int) -> Iterator[Non
         shadows[name] = _Rows(module._modules[name], index)
     for name, index in slicing.columns.items():
         shadows[name] = _Columns(module._modules[name], index, rank == 0)
+    for name, index in slicing.summed_columns.items():
+        shadows[name] = _SummedColumns(module._modules[name], index, rank == 0, slicing.group)
     for name, index in slicing.channels.items():
         shadows[name] = _Channels(module._modules[name], index)
     for name, index in slicing.parameters.items():
-        shadows[name] = module._parameters[name][index]
+        dim, index = index if isinstance(index, tuple) else (0, index)
+        shadows[name] = module._parameters[name].index_select(dim, index)
     for name, (dim, index) in slicing.buffers.items():
         shadows[name] = module._buffers[name].index_select(dim, index)
     shadows.update(slicing.modules)

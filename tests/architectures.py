@@ -24,6 +24,7 @@ GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim
            linear_conv_kernel_dim=4)
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
               mamba_chunk_size=32)
+FALCON_H1_MUP = dict(ssm_multipliers=[0.5, 2.0, 0.7, 1.3, 0.9], ssm_in_multiplier=1.5)
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     # plain full attention
@@ -107,7 +108,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"type": "granitemoehybrid", "config": {
         "intermediate_size": 32, "shared_intermediate_size": 128, "layer_types": LINEAR, "num_local_experts": 4,
         "num_experts_per_tok": 2, **MAMBA2, **AUX}},
-    "falcon_h1": {"type": "falcon_h1", "config": {"mamba_d_ssm": 128, **MAMBA2}},  # attention ‖ Mamba in a layer
+    # attention ‖ Mamba in a layer; µP multipliers on the projected features, a gated norm (gate first)
+    "falcon_h1": {"type": "falcon_h1", "config": {"mamba_d_ssm": 128, **MAMBA2, **FALCON_H1_MUP,
+                                                  "mamba_rms_norm": True, "mamba_norm_before_gate": False}},
+    "falcon_h1_no_norm": {"type": "falcon_h1", "config": {"mamba_d_ssm": 128, **MAMBA2}},  # the config's defaults
     "zamba2": {"type": "zamba2", "config": {  # a shared attention block next to the Mamba layers
         "layers_block_type": ["linear_attention", "hybrid"], "n_mamba_heads": 8, "mamba_d_state": 16,
         "mamba_d_conv": 4, "mamba_expand": 2, "mamba_ngroups": 1, "chunk_size": 32, "use_mamba_kernels": False,
@@ -117,8 +121,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # short convolutions
     "lfm2_moe": {"type": "lfm2_moe", "config": {**MOE, **AUX, "layer_types": ["conv", "full_attention"],
                                                 "num_dense_layers": 1, "conv_L_cache": 4}},
+    # lr 0.1: at 0.5 this tiny model diverges and amplifies rounding (one device fp32 vs fp64 already 7e-5 on
+    # in_proj; a head-parallel run 2.8e-4); at 0.1 the head-parallel update is within 2e-6.
     "lfm3": {"type": "lfm3", "config": {"layer_types": ["conv", "full_attention"], "sliding_window": 32,
-                                        "conv_L_cache": 4}},
+                                        "conv_L_cache": 4}, "lr": 0.1},
     # Mamba1 (its x_proj contracts over all channels: no head split, but the whole-sequence run is exact)
     "jamba": {"type": "jamba", "config": {
         "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
@@ -127,6 +133,20 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "mamba": {"type": "mamba", "config": {"state_size": 16, "expand": 2, "conv_kernel": 4}, "attn": None},
     "falcon_mamba": {"type": "falcon_mamba", "config": {"state_size": 16, "expand": 2, "conv_kernel": 4},
                      "attn": None},
+    # mixer heads that sp=2 does not divide: the first rank takes one more
+    "qwen3_5_text_3_heads": {"type": "qwen3_5_text", "config": {**GDN, "layer_types": LINEAR,
+                                                                "linear_num_key_heads": 3, "linear_num_value_heads": 6}},
+    "kimi_linear_3_heads": {"type": "kimi_linear", "config": {
+        "layer_types": LINEAR, "mlp_layer_types": ["dense", "dense"], "linear_num_heads": 3, "linear_head_dim": 16,
+        "linear_conv_kernel_dim": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8, "v_head_dim": 16}},
+    "falcon_h1_3_heads": {"type": "falcon_h1", "config": {**MAMBA2, **FALCON_H1_MUP, "mamba_n_heads": 3,
+                                                          "mamba_d_ssm": 48, "mamba_rms_norm": True,
+                                                          "mamba_norm_before_gate": True}},
+    "minimax_3_heads": {"type": "minimax", "config": {"layer_types": ["linear_attention", "full_attention"],
+                                                      "num_attention_heads": 3, "num_key_value_heads": 3,
+                                                      "head_dim": 16, "num_local_experts": 4,
+                                                      "num_experts_per_tok": 2}},
     # refused before compute
     "doge": {"type": "doge", "expect": "attention_mask"},
     "gemma2_eager": {"type": "gemma2", "attn": "eager",

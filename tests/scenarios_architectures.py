@@ -14,6 +14,7 @@ from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
+from lightning_ulysses.mixer_families import FAMILIES
 from tests.architectures import ARCHITECTURES, batches, build_model
 from tests.scenarios import LAUNCH_WORLD_SIZE, make_trainer
 
@@ -43,6 +44,7 @@ def _fit(name: str, steps: int, lr: float) -> dict[str, Any]:
     result: dict[str, Any] = {"error": None}
     try:
         module = ArchitectureLM(name, lr, steps)
+        result["mixer_families"] = _mixer_families(module.model)
         trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=2), steps, use_distributed_sampler=False)
         trainer.fit(module)
     except Exception as err:  # noqa: BLE001 - the test asserts on the message
@@ -54,11 +56,28 @@ def _fit(name: str, steps: int, lr: float) -> dict[str, Any]:
     return result
 
 
+def _mixer_families(model: torch.nn.Module) -> list[list]:
+    """``[mixer class, family recipe or None (runs whole), {conv channels / head counts of this rank}]`` for every
+    sequence mixer."""
+    from lightning_ulysses.mixer_heads import head_slicing
+    from lightning_ulysses.refusals import sequence_mixers
+
+    rank = int(os.environ["RANK"])  # before fit: the process group is not up yet
+    found = []
+    for mixer in sequence_mixers(model):
+        recipe = next((r.__name__ for r in FAMILIES if r(mixer, rank, 2) is not None), None)
+        slicing = head_slicing(mixer, rank, 2)
+        split = None if slicing is None else {**{k: len(v) for k, v in slicing.channels.items()},
+                                              **{k: v for k, v in slicing.attributes.items() if "head" in k}}
+        found.append([type(mixer).__name__, recipe, split])
+    return found
+
+
 def run(payload: dict) -> dict:
     results = {}
     for name in payload["names"]:
         os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)  # Lightning's teardown removes it after every fit
-        results[name] = _fit(name, payload["steps"], payload["lr"])
+        results[name] = _fit(name, payload["steps"], ARCHITECTURES[name].get("lr", payload["lr"]))
     return results
 
 

@@ -33,7 +33,7 @@ def test_architecture_trains_exactly(results, name):
     for r in ranks:
         assert r["error"] is None, r["error"]
     assert ranks[0]["losses"] == ranks[1]["losses"]
-    reference = train_plain(name, STEPS, LR)
+    reference = train_plain(name, STEPS, ARCHITECTURES[name].get("lr", LR))
     got, want = torch.tensor(ranks[0]["losses"]), torch.tensor(reference["losses"])
     loss_diff = ((got - want).abs() / want.abs()).max().item()
     assert loss_diff <= LOSS_TOL, (got, want)
@@ -58,3 +58,22 @@ def test_architecture_is_refused_before_compute(results, name):
         assert r["error"].startswith("ValueError"), r["error"]
         assert ARCHITECTURES[name]["expect"] in r["error"], r["error"]
         assert "losses" not in r  # stopped before any step
+
+
+WITH_MIXERS = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "nemotron_h", "bamba",
+               "granitemoehybrid", "falcon_h1", "falcon_h1_no_norm", "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3", "minimax", "jamba",
+               "mamba", "falcon_mamba", "qwen3_5_text_3_heads", "kimi_linear_3_heads", "falcon_h1_3_heads",
+               "minimax_3_heads"]
+
+
+@pytest.mark.parametrize("name", WITH_MIXERS)
+def test_every_mixer_splits_its_heads(results, name):
+    """Every sequence mixer of the families is claimed by a head-parallel recipe (none runs whole on every rank), and
+    the two ranks together hold each head (channel) once: uneven counts where sp=2 does not divide them."""
+    ranks = [r["mixer_families"] for r in results[name]]
+    assert ranks[0], f"{name}: no sequence mixer found"
+    for mixer, family, split in ranks[0]:
+        assert family is not None, f"{name}: {mixer} runs whole"
+    if name.endswith("_3_heads"):
+        heads = [[v for k, v in split.items() if "head" in k] for _, _, split in (r[0] for r in ranks)]
+        assert sorted(h[0] for h in heads) == [1, 2], heads  # 3 heads: rank 0 takes 2, rank 1 takes 1
