@@ -118,7 +118,8 @@ def mixer_collectives(payload: dict) -> dict:
             config.attn_layer_indices = [m]
         module = CountingCausalLM(tiny_llama_config(num_kv_heads=2), dataset=TokenDataset(2, 32))
         torch.manual_seed(0)
-        module.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        attn = ARCHITECTURES[payload["arch"]].get("attn", "sdpa")  # pure state-space models have no attention
+        module.model = AutoModelForCausalLM.from_config(config, **({"attn_implementation": attn} if attn else {}))
         trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=payload.get("stage", 2)), max_steps=1)
         trainer.fit(module)
         out[m] = {"forward": module.forward_counts, "backward": module.backward_counts,

@@ -22,10 +22,11 @@ def _case(arch: str, stage: int, name: str = "", **extra) -> dict:
 PACKED = dict(data="packed", reference="mask_and_labels", strategy={"sdpa_per_document": True})
 CASES = [
     _case("qwen3_next", 3), _case("qwen3_5_text", 3), _case("olmo_hybrid", 3), _case("lfm2", 3), _case("minimax", 3),
-    _case("bamba", 3), _case("mamba", 3),
+    _case("bamba", 3), _case("mamba", 3), _case("falcon_h1", 3), _case("kimi_linear", 3), _case("jamba", 3),
     # every recurrence and convolution restarts at each packed document, as separate rows on one device
     _case("qwen3_next", 2, "-packed", **PACKED), _case("lfm2", 2, "-packed", **PACKED),
-    _case("bamba", 2, "-packed", **PACKED),
+    _case("bamba", 2, "-packed", **PACKED), _case("jamba", 2, "-packed", **PACKED),
+    _case("falcon_h1", 2, "-packed", **PACKED, lr=0.1), _case("falcon_h1_no_norm", 2, "-packed", **PACKED),
     # the ways users call the model (positions and shifted labels filled in) reach the mixers too
     _case("qwen3_next", 2, "-labels-no-positions", step="labels_no_positions"),
     # the MoE router's load-balancing loss from the whole batch (tests/architectures.py: coefficient 0.5)
@@ -49,6 +50,11 @@ def results():
         "counts_mamba2_zero3": ["tests.scenarios_architectures:mixer_collectives",
                                 {"arch": "bamba", "mixer_layers": [1, 2], "recurrence": ("mamba2_chunk_scan", 0),
                                  "stage": 3}],
+        "counts_short_conv": ["tests.scenarios_architectures:mixer_collectives",
+                              {"arch": "lfm2", "mixer_kind": "conv", "mixer_layers": [1, 2],
+                               "recurrence": ("causal_conv1d_fn", 0)}],
+        "counts_mamba1": ["tests.scenarios_architectures:mixer_collectives",
+                          {"arch": "mamba", "mixer_layers": [1, 2], "recurrence": ("mamba_selective_scan", 0)}],
         "counts_zero3": ["tests.scenarios_architectures:mixer_collectives",
                          {"arch": "qwen3_next", "mixer_kind": "linear_attention", "mixer_layers": [1, 2],
                           "stage": 3}],
@@ -130,3 +136,23 @@ def test_head_parallel_lightning_attention_layer(results):
     counts, forward, backward = _agreed_per_layer_counts(results, "counts_lightning", "head-parallel lightning attention")
     assert forward == {"_allgather_base_": 1, "_reduce_scatter_base_": 1, "allreduce_": 1}
     assert backward.get("_allgather_base_") == 1 and backward.get("_reduce_scatter_base_") == 1
+
+
+def test_head_parallel_short_convolution_layer(results):
+    """A short convolution (lfm2) runs half of its channels per rank over all 32 positions: one all-gather and one
+    reduce-scatter each way, nothing else."""
+    counts, forward, backward = _agreed_per_layer_counts(results, "counts_short_conv", "head-parallel short conv")
+    assert forward == {"_allgather_base_": 1, "_reduce_scatter_base_": 1}
+    assert backward.get("_allgather_base_") == 1 and backward.get("_reduce_scatter_base_") == 1
+    assert counts[0][1]["recurrence_value_shapes"] == [(1, 32, 32)]  # [B, channels of this rank of 64, S]
+
+
+def test_head_parallel_mamba1_layer(results):
+    """A Mamba1 layer runs half of its 128 inner channels per rank over all 32 positions; its x_proj contracts over
+    every channel, so the ranks' partial products are all-reduced (one all-reduce each way) besides the input
+    all-gather and the output reduce-scatter."""
+    counts, forward, backward = _agreed_per_layer_counts(results, "counts_mamba1", "head-parallel Mamba1")
+    assert forward == {"_allgather_base_": 1, "_reduce_scatter_base_": 1, "allreduce_": 1}
+    assert backward.get("_allgather_base_") == 1 and backward.get("_reduce_scatter_base_") == 1
+    assert backward.get("allreduce_") == 1
+    assert counts[0][1]["recurrence_value_shapes"] == [(1, 64, 32)]  # [B, channels of this rank, S]

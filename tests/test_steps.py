@@ -101,7 +101,7 @@ def train_reference(case: dict) -> dict:
     else:
         model = build_llama(tiny_llama_config(num_kv_heads=2), init_seed=0)
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=case.get("lr", LR))
     dataset = _dataset(case)
     collate = pad_right_collate if case.get("data") == "padded" else torch.utils.data.default_collate
     losses = []
