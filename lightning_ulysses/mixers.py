@@ -1,15 +1,15 @@
 """Sequence mixers other than attention (gated delta nets, Mamba/SSM mixers, short convolutions, lightning attention)
-under SP: exact by running each mixer on the whole sequence.
+under SP: exact by running each mixer on the whole sequence, split by heads over the SP group.
 
 A mixer's recurrence or convolution needs every earlier token of the sequence, which a shard does not have. The
 exchange here gives it the whole sequence: before the mixer, one all-gather over the SP group turns this rank's
-``[B, s, H]`` input into the full ``[B, S, H]``; the mixer's **own** forward (its projections, its convolution and
-scan kernels: transformers' torch fallbacks on CPU, ``fla`` / ``mamba_ssm`` / ``causal_conv1d`` on CUDA when
-installed) runs on it; this rank keeps its ``[B, s, H]`` slice of the output. In backward the gradients of the full
-input are summed over the SP group and scattered back (one reduce-scatter). So a mixer layer costs one all-gather
-forward and one reduce-scatter backward, and is exact by construction (the module computes what it computes on one
-device) for every family, Mamba1's ``x_proj`` included. The price: every SP rank computes the whole mixer layer, so
-its activations and compute are not divided by ``sp`` (attention and MLP layers still are).
+``[B, s, H]`` input into the full ``[B, S, H]``. Then the mixer's **own** forward (its projections, its convolution
+and scan kernels: transformers' torch fallbacks on CPU, ``fla`` / ``mamba_ssm`` / ``causal_conv1d`` on CUDA when
+installed) runs on it, narrowed to this rank's heads or channels by the recipe of its family
+(:mod:`lightning_ulysses.mixer_families`, :mod:`lightning_ulysses.mixer_heads`), and the partial outputs are summed
+and scattered back to shards (one reduce-scatter; backward: an all-gather, then the reduce-scatter of the input
+gradients). A mixer no family claims runs whole on every rank and keeps its ``[B, s, H]`` slice of the output: exact
+too, but its activations and compute are not divided by ``sp``.
 
 Packed documents (``position_ids`` restarting at 0): the mixer runs once per document, so no recurrence or
 convolution crosses a document start, as separate rows on one device would.

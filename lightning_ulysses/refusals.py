@@ -113,7 +113,7 @@ def has_attention(model: nn.Module) -> bool:
 
 
 def sequence_mixers(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` that mix the sequence without attention and run whole under SP
+    """The modules of ``model`` that mix the sequence without attention and run on the gathered sequence under SP
     (:mod:`lightning_ulysses.mixers`)."""
     return find_sequence_mixers(model, _uses_attention_interface)
 
@@ -199,7 +199,7 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
 _KNOWN_UNSHARDABLE = {
     "doge": "passes a learned per-key bias (its dynamic mask) to attention through attention_mask",
     "qwen4_exp_text": "uses indexed attention (each query attends to the keys an indexer selects from the whole"
-                      " sequence, through a full 4-D mask)",
+                      " sequence, through a full 4-D mask; its n-gram embeddings also read the tokens before a shard)",
 }
 
 
