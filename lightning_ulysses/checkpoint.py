@@ -194,16 +194,6 @@ def validate_for_loading(path: PathLike, world_size: int, zero_stage: Optional[i
     saved_stage = marker.get("zero_stage")
     if zero_stage is not None and saved_stage is not None and int(saved_stage) != zero_stage:
         raise ValueError(stage_change_error(path, int(saved_stage), zero_stage))
-    saved_world = marker.get("world_size")
-    if marker.get("zero_stage", 0) == 3 and saved_world is not None and saved_world != world_size:
-        raise ValueError(
-            f"{path} was saved by {saved_world} ranks (dp={marker.get('dp_size')} × sp={marker.get('sp_size')}) and"
-            f" this run has {world_size}: a ZeRO stage-3 checkpoint partitions the weights as well as the optimizer"
-            f" state over its ranks and resumes only on the same number of ranks ({saved_world}), with any dp × sp"
-            " split of them (ZeRO 1 and 2 checkpoints resume on any number of ranks). To continue on another number"
-            " of ranks, export the weights with `lightning_ulysses.export_checkpoint(...)` and start a new fit from"
-            " them (the optimizer state is lost)."
-        )
     return marker
 
 

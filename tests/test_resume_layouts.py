@@ -1,7 +1,8 @@
-"""Resume on another cluster size (ZeRO 1 and 2): a checkpoint written by 2 ranks (sp=2) continues on 4 (sp=4), and
-the 4-rank checkpoint of that run continues on 2 again, each with the per-step losses, learning rates and sample
-order of the uninterrupted single-device run (SGD with momentum and a StepLR, so the optimizer state and the
-schedule matter). Three launches: 2, 4, then 2 processes."""
+"""Resume on another cluster size: a checkpoint written by 2 ranks (sp=2) continues on 4 (sp=4), and the 4-rank
+checkpoint of that run continues on 2 again, at ZeRO 1, 2 and 3; a dp2×sp2 run on 4 ranks continues as dp1×sp2 on 2
+with the same global batch (ZeRO 3, mid-epoch). Each resumed run has the per-step losses, learning rates and sample
+rows of the uninterrupted run (SGD with momentum and a StepLR, so the optimizer state and the schedule matter).
+Three launches: 2, 4, then 2 processes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 from tests.launcher import launch
 from tests.test_checkpoints import BASE, assert_continues, global_steps, single_device_reference
 
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
+DP2_SP2 = dict(BASE, sp_size=2, batch_size=1)  # on 4 ranks: 2 samples a step
+DP1_SP2_B2 = dict(BASE, sp_size=2, batch_size=2)  # on 2 ranks: the same 2 samples a step
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +25,16 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(root):
-    """The three launches, in order: each resumes from a checkpoint the previous one wrote."""
+    """The three launches, in order: each resumes from checkpoints the previous one wrote."""
     first = launch(2, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": {
         f"sp2_z{s}": {**BASE, "stage": s, "ckpt_every": 4, "ckpt_dir": f"sp2_z{s}"} for s in STAGES}})
     second = launch(4, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": {
-        f"sp4_from_sp2_z{s}": {**BASE, "sp_size": 4, "stage": s, "resume": f"sp2_z{s}/step=4.ckpt",
-                               "ckpt_every": 4, "ckpt_dir": f"sp4_z{s}"} for s in STAGES}}, timeout=900)
+        **{f"sp4_from_sp2_z{s}": {**BASE, "sp_size": 4, "stage": s, "resume": f"sp2_z{s}/step=4.ckpt",
+                                  "ckpt_every": 4, "ckpt_dir": f"sp4_z{s}"} for s in STAGES},
+        "dp2_sp2_z3": {**DP2_SP2, "stage": 3, "ckpt_every": 2, "ckpt_dir": "dp2_sp2_z3"}}}, timeout=900)
     third = launch(2, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": {
-        f"sp2_from_sp4_z{s}": {**BASE, "stage": s, "resume": f"sp4_z{s}/step=8.ckpt"} for s in STAGES}})
+        **{f"sp2_from_sp4_z{s}": {**BASE, "stage": s, "resume": f"sp4_z{s}/step=8.ckpt"} for s in STAGES},
+        "dp1_sp2_from_dp2_sp2_z3": {**DP1_SP2_B2, "stage": 3, "resume": "dp2_sp2_z3/step=4.ckpt"}}})
     return {**{k: first for k in first[0]}, **{k: second for k in second[0]}, **{k: third for k in third[0]}}
 
 
@@ -55,3 +60,11 @@ def test_four_ranks_continue_on_two(runs, reference, stage):
 def test_the_uninterrupted_two_rank_run_is_the_reference(runs, reference):
     name = "sp2_z2"
     assert_continues(global_steps(runs[name], name), reference, 1)
+
+
+def test_data_parallel_replicas_fold_into_a_larger_micro_batch(runs):
+    """dp2×sp2 on 4 ranks (micro-batch 1) -> dp1×sp2 on 2 ranks (micro-batch 2) from step 4 (epoch 1, batch 1 of
+    3), ZeRO 3: the same rows per step and the losses of the uninterrupted 4-rank run."""
+    full = global_steps(runs["dp2_sp2_z3"], "dp2_sp2_z3")
+    resumed = global_steps(runs["dp1_sp2_from_dp2_sp2_z3"], "dp1_sp2_from_dp2_sp2_z3")
+    assert_continues(resumed, full, 5)
