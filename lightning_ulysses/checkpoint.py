@@ -167,8 +167,9 @@ def digest_mismatch_error(path: PathLike, wrong: list[str]) -> str:
 
 
 def stage_change_error(path: PathLike, saved_stage: int, stage: int) -> str:
-    return (f"{path} was saved at ZeRO stage {saved_stage} and this run uses stage {stage}: DeepSpeed's optimizer"
-            f" state is laid out per stage and cannot be resumed at another one. Resume with"
+    return (f"{path} was saved at ZeRO stage {saved_stage} and this run uses stage {stage}: without ZeRO the optimizer"
+            f" state is PyTorch's own, with ZeRO DeepSpeed's shards, so a run resumes between ZeRO 1, 2 and 3 but not"
+            f" between 0 and the others. Resume with"
             f" `UlyssesDeepSpeedStrategy(stage={saved_stage}, ...)`, or export the weights with"
             " `lightning_ulysses.export_checkpoint(...)` and start a new fit from them at stage"
             f" {stage} (the optimizer state is lost).")
@@ -192,7 +193,8 @@ def validate_for_loading(path: PathLike, world_size: int, zero_stage: Optional[i
             f" `ckpt_path=lightning_ulysses.find_last_complete_checkpoint({str(path.parent)!r})`."
         )
     saved_stage = marker.get("zero_stage")
-    if zero_stage is not None and saved_stage is not None and int(saved_stage) != zero_stage:
+    if zero_stage is not None and saved_stage is not None and int(saved_stage) != zero_stage \
+            and 0 in (int(saved_stage), zero_stage):  # ZeRO 1, 2, 3 convert into each other at load (resharding)
         raise ValueError(stage_change_error(path, int(saved_stage), zero_stage))
     return marker
 

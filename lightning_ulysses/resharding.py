@@ -1,22 +1,23 @@
-"""Resume a ZeRO checkpoint on another number of ranks: the optimizer state re-partitioned at load.
+"""Load a ZeRO checkpoint on another layout: another number of ranks (dp × sp) or another ZeRO stage (1, 2, 3).
 
-**ZeRO 1/2.** The checkpoint holds the whole model once (``mp_rank_00_model_states.pt``) and one optimizer shard per
-rank of the ZeRO group (``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``): rank ``r``'s contiguous piece of each
-parameter group's flat fp32 master weights and of every optimizer state of the same shape (SGD's momentum, Adam's
-moments), the last piece padded for alignment. The pieces of all ranks, concatenated without their padding, are the
-group's flat tensor, the same whatever the number of ranks; only where it is cut differs. So on ``N`` new ranks each
-rank takes the slice ``[start, start + partition)`` of that flat tensor that DeepSpeed's optimizer of this run owns
-(its partition size and index come from the engine, so DeepSpeed's own alignment rules are followed).
+The state is re-partitioned at load, parameter by parameter, from what the saved shards hold:
 
-**ZeRO 3.** Every parameter is cut separately: rank ``r`` holds elements ``[r·c, (r+1)·c)`` of each parameter
-(``c = ceil(numel / ranks)``, the last chunk padded), and its flat fp32 groups are those chunks one parameter after
-the other, in the model's order; the optimizer states have the same layout. Each new rank assembles its chunk of
-every parameter from the saved chunks that overlap it. The weights follow from the fp32 masters.
+* **ZeRO 1/2 shards** (``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``, one per rank of the ZeRO group): rank ``r``'s
+  contiguous piece of each parameter group's flat fp32 master weights and of every optimizer state of the same shape
+  (SGD's momentum, Adam's moments), the last piece padded. The pieces of all ranks, concatenated without their
+  padding, are the group's flat tensor: its parameters one after the other, in the order of ``param_shapes``.
+* **ZeRO 3 shards**: every parameter is cut separately, rank ``r`` holding elements ``[r·c, (r+1)·c)`` of each
+  (``c = ceil(numel / ranks)``, the last chunk padded); a rank's flat groups are those chunks one parameter after
+  the other, in the order of ``param_shapes``; the optimizer states have the same layout.
 
-Either way the saved shards are opened **memory-mapped, one at a time**, and only the parts that overlap this rank's
-partition are read: the memory of this rank's partition plus what it copies, never the whole optimizer state. Scalars
-(step counts) and the parameter groups' hyperparameters (the learning rate the scheduler reached) are the same in
-every shard. No converted copy is written, so a crash during loading leaves nothing half-converted behind.
+So any element of any parameter's master weights or optimizer state is found in the saved shards, and each rank of
+the new run fills its own partition (:class:`_SavedZero12` / :class:`_SavedZero3` read, ``_fill_zero12`` /
+``_fill_zero3`` write, both by parameter name). The shards are opened **memory-mapped** and only the parts that
+overlap this rank's partition are read: the memory of this rank's partition plus one parameter's slice, never the
+whole optimizer state. Scalars (step counts) and the parameter groups' hyperparameters (the learning rate the
+scheduler reached) are the same in every shard. The weights come through DeepSpeed's loader (its consolidated fp32
+state for ZeRO 3 and from a ZeRO 3 checkpoint: the whole model in fp32 on each rank, once, no optimizer state). No
+converted copy is written, so a crash during loading leaves nothing half-converted behind.
 
 DeepSpeed's universal checkpoints (``ds_to_universal``) cannot serve here: in 0.19.8 the converter reads
 ``exp_avg``/``exp_avg_sq`` by name, so SGD with momentum fails, and every parameter is written to its own files
@@ -25,15 +26,68 @@ DeepSpeed's universal checkpoints (``ds_to_universal``) cannot serve here: in 0.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
 _TAG = "checkpoint"  # the DeepSpeed tag Lightning's DeepSpeedStrategy always uses
 
 
+def load_on_another_layout(engine: Any, checkpoint: Path, marker: dict[str, Any], load_optimizer: bool,
+                           strict: bool) -> Optional[dict[str, Any]]:
+    """Load ``checkpoint`` (saved by ``marker["world_size"]`` ranks at ZeRO ``marker["zero_stage"]``) into
+    ``engine``: the weights, and with ``load_optimizer`` the optimizer state re-partitioned. Returns the client
+    state (Lightning's checkpoint dict), as ``engine.load_checkpoint`` does."""
+    saved_ranks, saved_stage = int(marker["world_size"]), int(marker["zero_stage"])
+    current_stage_3 = engine.zero_optimization_partition_weights()
+    placeholders = saved_stage == 3 and not current_stage_3  # the saved module holds ZeRO-3 placeholders
+
+    def consolidated_weights(src: Any, dst: Any) -> None:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        dst.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=_TAG), strict=strict)
+
+    with _model_states_of_the_saved_layout(engine, saved_ranks, saved_stage):
+        _, client_state = engine.load_checkpoint(str(checkpoint), load_optimizer_states=False,
+                                                 load_lr_scheduler_states=False, load_module_strict=strict,
+                                                 custom_load_fn=consolidated_weights if placeholders else None)
+    if client_state is None:
+        return None
+    if placeholders:
+        engine.optimizer.refresh_fp32_params()
+    if load_optimizer:
+        saved = _SavedZero3(checkpoint, saved_ranks) if saved_stage == 3 else _SavedZero12(checkpoint, saved_ranks)
+        (_fill_zero3 if current_stage_3 else _fill_zero12)(engine, saved)
+    return client_state
+
+
+@contextmanager
+def _model_states_of_the_saved_layout(engine: Any, saved_ranks: int, saved_stage: int) -> Iterator[None]:
+    """DeepSpeed's loader opens the model-states file this run would write (``mp_rank_00_model_states.pt`` at ZeRO
+    0-2; at ZeRO 3 ``zero_pp_rank_<r>_...`` of its own rank). Point it at the saved layout's file: the client state
+    is the same in every rank's file, so ranks beyond the saved ones read rank ``rank % saved_ranks``'s."""
+    import torch.distributed as dist
+
+    own = dist.get_rank(group=engine.optimizer.dp_process_group)
+
+    def saved_name(path: Any, tag: Any, mp_placeholder: Any = None, pp_placeholder: Any = None) -> str:
+        mp = "00" if mp_placeholder is None else mp_placeholder
+        if saved_stage < 3:
+            return str(Path(path) / str(tag) / f"mp_rank_{mp}_model_states.pt")
+        pp = str(own % saved_ranks) if pp_placeholder is None else pp_placeholder
+        return str(Path(path) / str(tag) / f"zero_pp_rank_{pp}_mp_rank_{mp}_model_states.pt")
+
+    engine._get_ckpt_name = saved_name
+    try:
+        yield
+    finally:
+        del engine._get_ckpt_name
+
+
+# ----------------------------------------------------------------------------------------------- reading
 def optimizer_shard_files(checkpoint: Path, saved_ranks: int) -> list[Path]:
     """The saved ZeRO optimizer shards of a checkpoint directory, by rank of the saving ZeRO group (``bf16_`` first:
     DeepSpeed's name when training in bf16)."""
@@ -48,164 +102,13 @@ def optimizer_shard_files(checkpoint: Path, saved_ranks: int) -> list[Path]:
     return files
 
 
-@contextmanager
-def model_states_of_a_saved_rank(engine: Any, saved_ranks: int) -> Iterator[None]:
-    """ZeRO 3 writes one model-states file per rank (the client state, the same on every rank, with placeholders for
-    the partitioned weights) and DeepSpeed's loader opens the one of its own rank: ranks beyond the saved ones open
-    rank ``rank % saved_ranks``'s instead. No change at ZeRO 0-2 (one ``mp_rank_00`` file)."""
-    if not engine.zero_optimization_partition_weights():
-        yield
-        return
-    import torch.distributed as dist
-
-    own = dist.get_rank(group=engine.optimizer.dp_process_group)
-    original = engine._get_ckpt_name
-
-    def saved_rank_name(path: Any, tag: Any, mp_placeholder: Any = None, pp_placeholder: Any = None) -> str:
-        return original(path, tag, mp_placeholder, str(own % saved_ranks) if pp_placeholder is None else pp_placeholder)
-
-    engine._get_ckpt_name = saved_rank_name
-    try:
-        yield
-    finally:
-        del engine._get_ckpt_name
-
-
-def _open_shard(path: Path) -> dict[str, Any]:
-    """A saved shard's ``optimizer_state_dict``, its tensors memory-mapped (read from disk only where sliced)."""
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
-
-
-def load_resharded_zero12_optimizer(engine: Any, checkpoint: Path, saved_ranks: int) -> None:
-    """Fill ``engine``'s ZeRO 1/2 optimizer (this rank's partitions) from the shards ``saved_ranks`` ranks wrote."""
-    import torch.distributed as dist
-
-    zero = engine.optimizer  # deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer
-    partitions = zero.single_partition_of_fp32_groups  # [group] flat fp32, this rank's (padded) partition
-    starts = [dist.get_rank(group=zero.real_dp_process_group[i]) * p.numel() for i, p in enumerate(partitions)]
-    states: list[dict[str, Any]] = [{} for _ in partitions]
-    offsets = [0] * len(partitions)  # where each saved shard's piece starts in the group's flat tensor
-    param_groups = None
-    first_shard = None
-    for path in optimizer_shard_files(checkpoint, saved_ranks):
-        shard = _open_shard(path)
-        if not isinstance(shard["base_optimizer_state"], dict):
-            raise ValueError(f"{path} is an elastic ZeRO checkpoint; only the default (rigid) layout is resharded.")
-        if param_groups is None:
-            param_groups = shard["base_optimizer_state"]["param_groups"]
-            first_shard = {k: v for k, v in shard.items() if k not in ("base_optimizer_state",
-                                                                       "single_partition_of_fp32_groups")}
-        saved_state = shard["base_optimizer_state"]["state"]
-        for i, (partition, start) in enumerate(zip(partitions, starts)):
-            piece = shard["single_partition_of_fp32_groups"][i]  # [n] without the padding
-            n = piece.numel()
-            _copy_overlap(piece, offsets[i], partition.data, start)
-            for key, value in saved_state.get(i, {}).items():
-                if torch.is_tensor(value) and value.dim() == 1 and value.numel() >= n:  # [n + padding]
-                    target = states[i].setdefault(key, torch.zeros_like(partition.data, dtype=value.dtype))
-                    _copy_overlap(value[:n], offsets[i], target, start)
-                else:  # the same on every shard (e.g. a step count)
-                    states[i][key] = value
-            offsets[i] += n
-        del shard, saved_state
-    assert param_groups is not None and first_shard is not None
-    zero._load_global_state(first_shard)
-    zero.optimizer.load_state_dict({"state": {i: s for i, s in enumerate(states) if s},
-                                    "param_groups": param_groups})
-    zero._link_all_hp_params()
-    for group, (partition, start) in enumerate(zip(partitions, starts)):  # the model's weights from the masters
-        _write_back(zero, group, partition)
-
-
-def _copy_overlap(piece: torch.Tensor, piece_start: int, target: torch.Tensor, target_start: int) -> None:
-    """Copy the part of ``piece`` (at ``piece_start`` of the flat tensor) that falls into ``target`` (at
-    ``target_start``)."""
-    lo = max(piece_start, target_start)
-    hi = min(piece_start + piece.numel(), target_start + target.numel())
-    if lo < hi:
-        target[lo - target_start:hi - target_start].copy_(piece[lo - piece_start:hi - piece_start])
-
-
-def _write_back(zero: Any, group: int, partition: torch.Tensor) -> None:
-    """This rank's bit16 (here: model-precision) partition from its fp32 master partition, then every rank's
-    partitions gathered into the model's parameters (DeepSpeed's own all-gather after a step)."""
-    import torch.distributed as dist
-
-    partition_id = dist.get_rank(group=zero.real_dp_process_group[group])
-    zero.parallel_partitioned_bit16_groups[group][partition_id].data.copy_(partition.data)
-
-
-def load_resharded_zero3_optimizer(engine: Any, checkpoint: Path, saved_ranks: int) -> None:
-    """Fill ``engine``'s ZeRO 3 optimizer (fp32 masters, optimizer states, and from them the weights' partitions)
-    from the shards ``saved_ranks`` ranks wrote."""
-    import math
-
-    import torch.distributed as dist
-
-    zero = engine.optimizer  # deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3
-    rank = dist.get_rank(group=zero.dp_process_group)
-    masters = zero.fp32_partitioned_groups_flat  # [sub-group] flat fp32: this rank's chunk of each of its params
-    # Where each parameter's chunk lies: in this run's sub-group flat, and in every saved rank's flat groups (the
-    # chunks of all parameters one after the other, whatever the sub-groups).
-    placements = []  # (numel, sub-group, offset in it, new chunk, offset in a saved rank's concatenation, old chunk)
-    saved_offset = 0
-    for group_index, group in enumerate(zero.fp16_groups):
-        offset = 0
-        for param in group:
-            numel, chunk, old_chunk = param.ds_numel, param.partition_numel(), math.ceil(param.ds_numel / saved_ranks)
-            placements.append((numel, group_index, offset, chunk, saved_offset, old_chunk))
-            offset += chunk
-            saved_offset += old_chunk
-    states: list[dict[str, Any]] = [{} for _ in masters]
-    param_groups = None
-    first_shard = None
-    for saved_rank, path in enumerate(optimizer_shard_files(checkpoint, saved_ranks)):
-        shard = _open_shard(path)
-        if param_groups is None:
-            param_groups = shard["optimizer_state_dict"]["param_groups"]
-            first_shard = shard
-        sources = {"": _Concatenation(shard["fp32_flat_groups"])}
-        saved_states = shard["optimizer_state_dict"]["state"]
-        shapes = [t.numel() for t in shard["fp32_flat_groups"]]
-        for key in saved_states.get(0, {}):
-            values = [saved_states[g][key] for g in range(len(shapes))]
-            if all(torch.is_tensor(v) and v.numel() == n for v, n in zip(values, shapes)):
-                sources[key] = _Concatenation(values)
-            else:  # the same on every shard (e.g. a step count)
-                for group_state in states:
-                    group_state[key] = values[0]
-        if sources[""].numel != saved_offset:
-            raise ValueError(f"{path} holds {sources[''].numel} fp32 elements, this model's chunks over"
-                             f" {saved_ranks} ranks {saved_offset}: the checkpoint is of another model.")
-        for numel, group, offset, chunk, saved_at, old_chunk in placements:
-            lo, hi = max(rank * chunk, saved_rank * old_chunk), min((rank + 1) * chunk, (saved_rank + 1) * old_chunk, numel)
-            if lo >= hi:
-                continue
-            source_at, target_at = saved_at + lo - saved_rank * old_chunk, offset + lo - rank * chunk
-            for key, source in sources.items():
-                if key:
-                    target = states[group].setdefault(key, torch.zeros_like(masters[group].data))
-                else:
-                    target = masters[group].data
-                target[target_at:target_at + hi - lo].copy_(source.slice(source_at, hi - lo))
-        del shard, sources, saved_states
-    assert param_groups is not None and first_shard is not None
-    if len(param_groups) != len(masters):
-        raise ValueError(f"{checkpoint} has {len(param_groups)} ZeRO-3 sub-groups and this run {len(masters)}: set"
-                         " zero_optimization.sub_group_size so that each parameter group is one sub-group.")
-    zero.loss_scaler, zero.dynamic_loss_scale = first_shard["loss_scaler"], first_shard["dynamic_loss_scale"]
-    zero._set_fp32_optimizer_param_groups()
-    zero.optimizer.load_state_dict({"state": {i: s for i, s in enumerate(states) if s}, "param_groups": param_groups})
-    zero._clear_fp32_optimizer_param_groups()
-    for group, master in enumerate(masters):  # the weights' partitions from the fp32 masters, as DeepSpeed does
-        zero.fp16_partitioned_groups_flat[group].data.copy_(master.data)
-        unflat = zero.unflatten(zero.fp16_partitioned_groups_flat[group], zero.fp16_partitioned_groups[group])
-        for partitioned, tensor in zip(zero.fp16_partitioned_groups[group], unflat):
-            partitioned.data = tensor.data
+def _open(path: Path) -> dict[str, Any]:
+    """A saved file, its tensors memory-mapped (read from disk only where sliced)."""
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
 
 
 class _Concatenation:
-    """Tensors read as one flat tensor (a saved rank's sub-groups), without concatenating them."""
+    """Flat tensors read as one flat tensor, without concatenating them."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = [t.reshape(-1) for t in tensors]
@@ -221,3 +124,179 @@ class _Concatenation:
             if lo < hi:
                 parts.append(t[lo - t_start:hi - t_start])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class _Saved:
+    """What the saved shards hold, read by parameter name: ``read(name, key, lo, hi)`` gives elements ``[lo, hi)``
+    of that parameter's fp32 master (``key=""``) or optimizer state ``key``, flattened."""
+
+    state_keys: list[str]  # the optimizer states shaped like the masters
+    scalars: dict[str, Any]  # the others (the same on every shard)
+    param_groups: list[dict[str, Any]]
+    global_state: dict[str, Any]  # loss scaler etc. of the first shard
+
+    def read(self, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _split_states(self, states: dict[str, Any], numel: int) -> None:
+        self.state_keys, self.scalars = [], {}
+        for key, value in states.items():
+            if torch.is_tensor(value) and value.dim() == 1 and value.numel() >= numel:
+                self.state_keys.append(key)
+            else:
+                self.scalars[key] = value
+
+
+class _SavedZero12(_Saved):
+    def __init__(self, checkpoint: Path, saved_ranks: int) -> None:
+        shards = [_open(f)["optimizer_state_dict"] for f in optimizer_shard_files(checkpoint, saved_ranks)]
+        if not all(isinstance(s["base_optimizer_state"], dict) for s in shards):
+            raise ValueError(f"{checkpoint} is an elastic ZeRO checkpoint; only the default (rigid) layout is resharded.")
+        if any(any(p) for s in shards for p in s.get("param_alignment_paddings", []) or []):
+            raise ValueError(f"{checkpoint} was saved with zero_optimization.parameter_alignment: not resharded.")
+        param_shapes = _open(Path(checkpoint) / _TAG / "mp_rank_00_model_states.pt")["param_shapes"]
+        first = shards[0]
+        self.param_groups = first["base_optimizer_state"]["param_groups"]
+        self.global_state = {k: v for k, v in first.items()
+                             if k not in ("base_optimizer_state", "single_partition_of_fp32_groups")}
+        pieces = [[s["single_partition_of_fp32_groups"][g] for s in shards] for g in range(len(param_shapes))]
+        self._split_states(first["base_optimizer_state"]["state"].get(0, {}), pieces[0][0].numel())
+        self.sources: list[dict[str, _Concatenation]] = []
+        for g, group_pieces in enumerate(pieces):
+            sizes = [p.numel() for p in group_pieces]
+            sources = {"": _Concatenation(group_pieces)}
+            for key in self.state_keys:  # each shard's state without its padding
+                sources[key] = _Concatenation([s["base_optimizer_state"]["state"][g][key][:n]
+                                               for s, n in zip(shards, sizes)])
+            self.sources.append(sources)
+        self.where: dict[str, tuple[int, int]] = {}  # name -> (group, offset in the group's flat tensor)
+        for g, shapes in enumerate(param_shapes):
+            offset = 0
+            for name, shape in shapes.items():
+                self.where[name] = (g, offset)
+                offset += math.prod(shape)
+
+    def read(self, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
+        group, offset = self.where[name]
+        return self.sources[group][key].slice(offset + lo, hi - lo)
+
+
+class _SavedZero3(_Saved):
+    def __init__(self, checkpoint: Path, saved_ranks: int) -> None:
+        shards = [_open(f)["optimizer_state_dict"] for f in optimizer_shard_files(checkpoint, saved_ranks)]
+        param_shapes = _open(Path(checkpoint) / _TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt")["param_shapes"]
+        first = shards[0]
+        self.param_groups = first["optimizer_state_dict"]["param_groups"]
+        self.global_state = {k: v for k, v in first.items() if k not in ("optimizer_state_dict", "fp32_flat_groups")}
+        self._split_states(first["optimizer_state_dict"]["state"].get(0, {}), first["fp32_flat_groups"][0].numel())
+        self.ranks = saved_ranks
+        self.sources = []  # per saved rank: key -> its flat groups read as one
+        for s in shards:
+            flats = s["fp32_flat_groups"]
+            sources = {"": _Concatenation(flats)}
+            for key in self.state_keys:
+                sources[key] = _Concatenation([s["optimizer_state_dict"]["state"][g][key] for g in range(len(flats))])
+            self.sources.append(sources)
+        self.where: dict[str, tuple[int, int, int]] = {}  # name -> (numel, chunk, offset in a rank's concatenation)
+        offset = 0
+        for shapes in param_shapes:
+            for name, shape in shapes.items():
+                numel = math.prod(shape)
+                chunk = math.ceil(numel / saved_ranks)
+                self.where[name] = (numel, chunk, offset)
+                offset += chunk
+        if self.sources[0][""].numel != offset:
+            raise ValueError(f"{checkpoint}: its shards hold {self.sources[0][''].numel} fp32 elements per rank, its"
+                             f" parameters' chunks {offset}.")
+
+    def read(self, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
+        numel, chunk, offset = self.where[name]
+        parts = []
+        for r in range(lo // chunk, (hi - 1) // chunk + 1):
+            r_lo, r_hi = max(lo, r * chunk), min(hi, (r + 1) * chunk)
+            parts.append(self.sources[r][key].slice(offset + r_lo - r * chunk, r_hi - r_lo))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# ----------------------------------------------------------------------------------------------- writing
+def _fill_zero12(engine: Any, saved: _Saved) -> None:
+    """This rank's ZeRO 1/2 partitions (fp32 masters, optimizer states) from ``saved``."""
+    import torch.distributed as dist
+
+    zero = engine.optimizer  # deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer
+    if getattr(zero, "round_robin_gradients", False) or any(any(p) for p in zero.round_robin_bit16_padding):
+        raise ValueError("Resharding a checkpoint needs zero_optimization.round_robin_gradients and"
+                         " parameter_alignment off (their flat layout depends on the number of ranks).")
+    masters = zero.single_partition_of_fp32_groups
+    states = [_new_states(saved, m) for m in masters]
+    for g, (params, offsets) in enumerate(zip(zero.round_robin_bit16_groups, zero.round_robin_bit16_offsets)):
+        size = masters[g].numel()
+        start = dist.get_rank(group=zero.real_dp_process_group[g]) * size
+        for param, offset in zip(params, offsets):
+            lo, hi = max(offset, start), min(offset + param.numel(), start + size)
+            if lo < hi:
+                _copy(saved, zero.param_names[param], lo - offset, hi - offset, masters[g].data, states[g], lo - start)
+    _load_loss_scaling(zero, saved)
+    zero.optimizer.load_state_dict({"state": dict(enumerate(states)),
+                                    "param_groups": _param_groups(saved, len(masters))})
+    zero._link_all_hp_params()
+
+
+def _fill_zero3(engine: Any, saved: _Saved) -> None:
+    """This rank's ZeRO 3 partitions (fp32 masters, optimizer states, and from the masters the weights' partitions)
+    from ``saved``."""
+    import torch.distributed as dist
+
+    zero = engine.optimizer  # deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3
+    rank = dist.get_rank(group=zero.dp_process_group)
+    masters = zero.fp32_partitioned_groups_flat
+    states = [_new_states(saved, m) for m in masters]
+    for g, params in enumerate(zero.fp16_groups):
+        offset = 0
+        for param in params:
+            chunk = param.partition_numel()
+            lo, hi = rank * chunk, min((rank + 1) * chunk, param.ds_numel)
+            if lo < hi:
+                _copy(saved, engine.param_names[param], lo, hi, masters[g].data, states[g], offset)
+            offset += chunk
+    _load_loss_scaling(zero, saved)
+    zero._set_fp32_optimizer_param_groups()
+    zero.optimizer.load_state_dict({"state": dict(enumerate(states)),
+                                    "param_groups": _param_groups(saved, len(masters))})
+    zero._clear_fp32_optimizer_param_groups()
+    for g, master in enumerate(masters):  # the weights' partitions from the fp32 masters, as DeepSpeed does
+        zero.fp16_partitioned_groups_flat[g].data.copy_(master.data)
+        unflat = zero.unflatten(zero.fp16_partitioned_groups_flat[g], zero.fp16_partitioned_groups[g])
+        for partitioned, tensor in zip(zero.fp16_partitioned_groups[g], unflat):
+            partitioned.data = tensor.data
+
+
+def _load_loss_scaling(zero: Any, saved: _Saved) -> None:
+    """The fp16 loss scaler's state, as DeepSpeed's loaders restore it (kept by every stage's shards)."""
+    for name in ("loss_scaler", "dynamic_loss_scale", "overflow"):
+        if name in saved.global_state:
+            setattr(zero, name, saved.global_state[name])
+
+
+def _new_states(saved: _Saved, master: torch.Tensor) -> dict[str, Any]:
+    return {**{key: torch.zeros_like(master.data) for key in saved.state_keys}, **saved.scalars}
+
+
+def _copy(saved: _Saved, name: str, lo: int, hi: int, master: torch.Tensor, states: dict[str, Any], at: int) -> None:
+    """Elements ``[lo, hi)`` of parameter ``name``'s master and states into ``master[at:]`` / ``states[key][at:]``."""
+    master[at:at + hi - lo].copy_(saved.read(name, "", lo, hi))
+    for key in saved.state_keys:
+        states[key][at:at + hi - lo].copy_(saved.read(name, key, lo, hi))
+
+
+def _param_groups(saved: _Saved, count: int) -> list[dict[str, Any]]:
+    """The saved hyperparameters for this run's ``count`` optimizer groups: one to one, or the same for all when the
+    saved groups agree (ZeRO 3 sub-groups of one parameter group)."""
+    groups = [{**g, "params": [i]} for i, g in enumerate(saved.param_groups)]
+    if len(groups) == count:
+        return groups
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    if all(s == settings[0] for s in settings):
+        return [{**settings[0], "params": [i]} for i in range(count)]
+    raise ValueError(f"The checkpoint has {len(groups)} optimizer groups with different settings and this run"
+                     f" {count}: resharding keeps the groups one to one.")

@@ -766,32 +766,25 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                                                       self._zero_stage if resuming else None)
             if marker is not None and self.verify_checkpoints:
                 self._verify_checkpoint_digests(checkpoint_path)
-            saved_world = (marker or {}).get("world_size")
-            if saved_world is not None and saved_world != self.world_size and self._zero_stage in (1, 2, 3):
-                return self._load_on_another_number_of_ranks(checkpoint_path, marker, resuming)
+            saved = (marker or {}).get("world_size"), (marker or {}).get("zero_stage")
+            if None not in saved and saved != (self.world_size, self._zero_stage) and min(saved[1], self._zero_stage) > 0:
+                return self._load_on_another_layout(checkpoint_path, marker, resuming)
         with _checkpoint.zero3_inference_loading(self.deepspeed_engine if self.zero_stage_3 else None):
             return super().load_checkpoint(checkpoint_path, weights_only)
 
-    def _load_on_another_number_of_ranks(self, checkpoint_path: Any, marker: dict, resuming: bool) -> dict[str, Any]:
-        """A ZeRO checkpoint of another number of ranks: the weights through DeepSpeed's loader, the optimizer state
-        re-partitioned for this run (:mod:`lightning_ulysses.resharding`)."""
+    def _load_on_another_layout(self, checkpoint_path: Any, marker: dict, resuming: bool) -> dict[str, Any]:
+        """A ZeRO checkpoint of another number of ranks or ZeRO stage: the weights through DeepSpeed's loader, the
+        optimizer state re-partitioned for this run (:mod:`lightning_ulysses.resharding`)."""
         assert self.lightning_module is not None
-        with resharding.model_states_of_a_saved_rank(self.deepspeed_engine, int(marker["world_size"])):
-            _, client_state = self.deepspeed_engine.load_checkpoint(
-                checkpoint_path, load_optimizer_states=False, load_lr_scheduler_states=False,
-                load_module_strict=self.lightning_module.strict_loading)
+        client_state = resharding.load_on_another_layout(self.deepspeed_engine, Path(checkpoint_path), marker,
+                                                         resuming, self.lightning_module.strict_loading)
         if client_state is None:
             raise ValueError(f"DeepSpeed could not load the model states of {checkpoint_path}.")
-        if resuming and self.zero_stage_3:
-            resharding.load_resharded_zero3_optimizer(self.deepspeed_engine, Path(checkpoint_path),
-                                                      int(marker["world_size"]))
-        elif resuming:
-            resharding.load_resharded_zero12_optimizer(self.deepspeed_engine, Path(checkpoint_path),
-                                                       int(marker["world_size"]))
         rank_zero_info(
             f"{checkpoint_path} was saved by {marker['world_size']} ranks (dp={marker.get('dp_size')} ×"
-            f" sp={marker.get('sp_size')}); loaded on {self.world_size} (dp={self.dp_size} × sp={self.sp_size})"
-            + (", the ZeRO optimizer state re-partitioned." if resuming else "."))
+            f" sp={marker.get('sp_size')}, ZeRO {marker.get('zero_stage')}); loaded on {self.world_size}"
+            f" (dp={self.dp_size} × sp={self.sp_size}, ZeRO {self._zero_stage})"
+            + (", the optimizer state re-partitioned." if resuming else "."))
         return client_state
 
     def _verify_checkpoint_digests(self, checkpoint_path: Any) -> None:

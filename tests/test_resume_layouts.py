@@ -1,6 +1,7 @@
 """Resume on another cluster size: a checkpoint written by 2 ranks (sp=2) continues on 4 (sp=4), and the 4-rank
 checkpoint of that run continues on 2 again, at ZeRO 1, 2 and 3; a dp2×sp2 run on 4 ranks continues as dp1×sp2 on 2
-with the same global batch (ZeRO 3, mid-epoch). Each resumed run has the per-step losses, learning rates and sample
+with the same global batch (ZeRO 3, mid-epoch); and the ZeRO stage changes 2 -> 3, 3 -> 2 and 1 -> 3, with and
+without a change of the number of ranks. Each resumed run has the per-step losses, learning rates and sample
 rows of the uninterrupted run (SGD with momentum and a StepLR, so the optimizer state and the schedule matter).
 Three launches: 2, 4, then 2 processes."""
 
@@ -31,10 +32,14 @@ def runs(root):
     second = launch(4, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": {
         **{f"sp4_from_sp2_z{s}": {**BASE, "sp_size": 4, "stage": s, "resume": f"sp2_z{s}/step=4.ckpt",
                                   "ckpt_every": 4, "ckpt_dir": f"sp4_z{s}"} for s in STAGES},
-        "dp2_sp2_z3": {**DP2_SP2, "stage": 3, "ckpt_every": 2, "ckpt_dir": "dp2_sp2_z3"}}}, timeout=900)
+        "dp2_sp2_z3": {**DP2_SP2, "stage": 3, "ckpt_every": 2, "ckpt_dir": "dp2_sp2_z3"},
+        "sp4_z3_from_sp2_z2": {**BASE, "sp_size": 4, "stage": 3, "resume": "sp2_z2/step=4.ckpt",
+                               "ckpt_every": 4, "ckpt_dir": "sp4_z3_from_z2"}}}, timeout=900)
     third = launch(2, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": {
         **{f"sp2_from_sp4_z{s}": {**BASE, "stage": s, "resume": f"sp4_z{s}/step=8.ckpt"} for s in STAGES},
-        "dp1_sp2_from_dp2_sp2_z3": {**DP1_SP2_B2, "stage": 3, "resume": "dp2_sp2_z3/step=4.ckpt"}}})
+        "dp1_sp2_from_dp2_sp2_z3": {**DP1_SP2_B2, "stage": 3, "resume": "dp2_sp2_z3/step=4.ckpt"},
+        "sp2_z2_from_sp4_z3": {**BASE, "stage": 2, "resume": "sp4_z3_from_z2/step=8.ckpt"},
+        "sp2_z3_from_sp2_z1": {**BASE, "stage": 3, "resume": "sp2_z1/step=4.ckpt"}}})
     return {**{k: first for k in first[0]}, **{k: second for k in second[0]}, **{k: third for k in third[0]}}
 
 
@@ -68,3 +73,11 @@ def test_data_parallel_replicas_fold_into_a_larger_micro_batch(runs):
     full = global_steps(runs["dp2_sp2_z3"], "dp2_sp2_z3")
     resumed = global_steps(runs["dp1_sp2_from_dp2_sp2_z3"], "dp1_sp2_from_dp2_sp2_z3")
     assert_continues(resumed, full, 5)
+
+
+@pytest.mark.parametrize("name, first_step", [("sp4_z3_from_sp2_z2", 5), ("sp2_z2_from_sp4_z3", 9),
+                                              ("sp2_z3_from_sp2_z1", 5)])
+def test_zero_stage_changes_with_or_without_the_number_of_ranks(runs, reference, name, first_step):
+    """ZeRO 2 on 2 ranks -> ZeRO 3 on 4 (step 4), that run's step 8 -> ZeRO 2 on 2, and ZeRO 1 -> ZeRO 3 on the same
+    2 ranks: the steps of the uninterrupted run."""
+    assert_continues(global_steps(runs[name], name), reference, first_step)
