@@ -56,7 +56,7 @@ def load_on_another_layout(engine: Any, checkpoint: Path, marker: dict[str, Any]
                                                  custom_load_fn=consolidated_weights if placeholders else None)
     if client_state is None:
         return None
-    if placeholders:
+    if placeholders and engine.optimizer is not None:  # an inference engine has no optimizer
         engine.optimizer.refresh_fp32_params()
     if load_optimizer:
         saved = _SavedZero3(checkpoint, saved_ranks) if saved_stage == 3 else _SavedZero12(checkpoint, saved_ranks)
@@ -71,7 +71,7 @@ def _model_states_of_the_saved_layout(engine: Any, saved_ranks: int, saved_stage
     is the same in every rank's file, so ranks beyond the saved ones read rank ``rank % saved_ranks``'s."""
     import torch.distributed as dist
 
-    own = dist.get_rank(group=engine.optimizer.dp_process_group)
+    own = dist.get_rank()  # the ZeRO group spans every rank (dp × sp)
 
     def saved_name(path: Any, tag: Any, mp_placeholder: Any = None, pp_placeholder: Any = None) -> str:
         mp = "00" if mp_placeholder is None else mp_placeholder

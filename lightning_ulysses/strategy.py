@@ -776,8 +776,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         """A ZeRO checkpoint of another number of ranks or ZeRO stage: the weights through DeepSpeed's loader, the
         optimizer state re-partitioned for this run (:mod:`lightning_ulysses.resharding`)."""
         assert self.lightning_module is not None
-        client_state = resharding.load_on_another_layout(self.deepspeed_engine, Path(checkpoint_path), marker,
-                                                         resuming, self.lightning_module.strict_loading)
+        with _checkpoint.zero3_inference_loading(self.deepspeed_engine if self.zero_stage_3 else None):
+            client_state = resharding.load_on_another_layout(self.deepspeed_engine, Path(checkpoint_path), marker,
+                                                             resuming, self.lightning_module.strict_loading)
         if client_state is None:
             raise ValueError(f"DeepSpeed could not load the model states of {checkpoint_path}.")
         rank_zero_info(

@@ -49,6 +49,9 @@ class MomentumLM(CausalLM):
     def training_step(self, batch, batch_idx):
         return super().training_step({k: v for k, v in batch.items() if k != "row_id"}, batch_idx)
 
+    def validation_step(self, batch, batch_idx):
+        return super().validation_step({k: v for k, v in batch.items() if k != "row_id"}, batch_idx)
+
     def predict_step(self, batch, batch_idx):
         self.predict_shapes.append(tuple(batch["input_ids"].shape))  # this rank's shard
         return self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
@@ -108,7 +111,11 @@ def _fit(run: dict, root: Path) -> dict[str, Any]:
         callbacks.append(KillWhileSaving(run["kill_at_save"]))
     strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"], **run.get("strategy", {}))
     trainer = make_trainer(strategy, run.get("max_steps", -1), callbacks=callbacks, max_epochs=run["max_epochs"],
-                           enable_checkpointing=bool(run.get("ckpt_every")))
+                           enable_checkpointing=bool(run.get("ckpt_every")),
+                           **({"limit_val_batches": None} if run.get("validate") else {}))
+    if run.get("validate"):  # only validate this checkpoint (of any layout) with this run's layout
+        metrics = trainer.validate(module, ckpt_path=str(root / run["validate"]), verbose=False)[0]
+        return {"val_loss": metrics["val_loss"]}
     resume = run.get("resume")
     trainer.fit(module, ckpt_path=str(root / resume) if resume else None)
     out: dict[str, Any] = {"steps": log.steps, "global_step": trainer.global_step}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.launcher import launch
 from tests.test_checkpoints import BASE, assert_continues, global_steps, single_device_reference
@@ -17,6 +18,7 @@ from tests.test_checkpoints import BASE, assert_continues, global_steps, single_
 STAGES = (1, 2, 3)
 DP2_SP2 = dict(BASE, sp_size=2, batch_size=1)  # on 4 ranks: 2 samples a step
 DP1_SP2_B2 = dict(BASE, sp_size=2, batch_size=2)  # on 2 ranks: the same 2 samples a step
+VALIDATIONS = [(2, 2), (3, 3), (2, 3)]  # (saved ZeRO stage on 2 ranks, validating stage on 4 ranks)
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +36,16 @@ def runs(root):
                                   "ckpt_every": 4, "ckpt_dir": f"sp4_z{s}"} for s in STAGES},
         "dp2_sp2_z3": {**DP2_SP2, "stage": 3, "ckpt_every": 2, "ckpt_dir": "dp2_sp2_z3"},
         "sp4_z3_from_sp2_z2": {**BASE, "sp_size": 4, "stage": 3, "resume": "sp2_z2/step=4.ckpt",
-                               "ckpt_every": 4, "ckpt_dir": "sp4_z3_from_z2"}}}, timeout=900)
+                               "ckpt_every": 4, "ckpt_dir": "sp4_z3_from_z2"},
+        **{f"validate_sp2_z{s}_on_sp4_z{t}": {**BASE, "sp_size": 4, "stage": t, "validate": f"sp2_z{s}/step=4.ckpt"}
+           for s, t in VALIDATIONS}}}, timeout=900)
     third = launch(2, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": {
         **{f"sp2_from_sp4_z{s}": {**BASE, "stage": s, "resume": f"sp4_z{s}/step=8.ckpt"} for s in STAGES},
         "dp1_sp2_from_dp2_sp2_z3": {**DP1_SP2_B2, "stage": 3, "resume": "dp2_sp2_z3/step=4.ckpt"},
         "sp2_z2_from_sp4_z3": {**BASE, "stage": 2, "resume": "sp4_z3_from_z2/step=8.ckpt"},
-        "sp2_z3_from_sp2_z1": {**BASE, "stage": 3, "resume": "sp2_z1/step=4.ckpt"}}})
+        "sp2_z3_from_sp2_z1": {**BASE, "stage": 3, "resume": "sp2_z1/step=4.ckpt"},
+        **{f"validate_sp2_z{s}_on_sp2_z{s}": {**BASE, "stage": s, "validate": f"sp2_z{s}/step=4.ckpt"}
+           for s in {s for s, _ in VALIDATIONS}}}})
     return {**{k: first for k in first[0]}, **{k: second for k in second[0]}, **{k: third for k in third[0]}}
 
 
@@ -81,3 +87,28 @@ def test_zero_stage_changes_with_or_without_the_number_of_ranks(runs, reference,
     """ZeRO 2 on 2 ranks -> ZeRO 3 on 4 (step 4), that run's step 8 -> ZeRO 2 on 2, and ZeRO 1 -> ZeRO 3 on the same
     2 ranks: the steps of the uninterrupted run."""
     assert_continues(global_steps(runs[name], name), reference, first_step)
+
+
+@pytest.mark.parametrize("saved, stage", VALIDATIONS)
+def test_validate_a_checkpoint_of_another_layout(runs, saved, stage):
+    """validate(ckpt_path=...) on 4 ranks (sp=4, ZeRO ``stage``) of a 2-rank checkpoint (sp=2, ZeRO ``saved``):
+    the validation loss of the same checkpoint validated on its own layout."""
+    other = [r[f"validate_sp2_z{saved}_on_sp4_z{stage}"]["val_loss"] for r in runs[f"validate_sp2_z{saved}_on_sp4_z{stage}"]]
+    own = runs[f"validate_sp2_z{saved}_on_sp2_z{saved}"][0][f"validate_sp2_z{saved}_on_sp2_z{saved}"]["val_loss"]
+    print(f"[measured] ZeRO {saved} on 2 ranks validated at ZeRO {stage} on 4: {other[0]:.6f} vs {own:.6f}")
+    assert all(abs(v - own) <= 1e-6 * abs(own) for v in other), (other, own)
+
+
+def test_export_a_checkpoint_written_after_a_layout_change(runs, root, tmp_path):
+    """The 4-rank ZeRO-3 checkpoint of the resumed run exports to the weights of the uninterrupted 2-rank run at the
+    same step (export runs on one process, whatever the layout that wrote the checkpoint)."""
+    from lightning_ulysses import export_checkpoint
+
+    resumed = export_checkpoint(root / "sp4_z3" / "step=8.ckpt", tmp_path / "resumed")
+    uninterrupted = export_checkpoint(root / "sp2_z3" / "step=8.ckpt", tmp_path / "uninterrupted")
+    a = torch.load(resumed["state_dict"], weights_only=False)["state_dict"]
+    b = torch.load(uninterrupted["state_dict"], weights_only=False)["state_dict"]
+    assert a.keys() == b.keys() and len(a) > 10
+    worst = max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12)).item() for k in b)
+    print(f"[measured] exported weights, resumed on 4 ranks vs uninterrupted: worst relative difference {worst:.1e}")
+    assert worst <= 1e-6
