@@ -43,6 +43,7 @@ def load_on_another_layout(engine: Any, checkpoint: Path, marker: dict[str, Any]
     state (Lightning's checkpoint dict), as ``engine.load_checkpoint`` does."""
     saved_ranks, saved_stage = int(marker["world_size"]), int(marker["zero_stage"])
     current_stage_3 = engine.zero_optimization_partition_weights()
+    check_same_parameters(engine, checkpoint, saved_stage)
     placeholders = saved_stage == 3 and not current_stage_3  # the saved module holds ZeRO-3 placeholders
 
     def consolidated_weights(src: Any, dst: Any) -> None:
@@ -62,6 +63,27 @@ def load_on_another_layout(engine: Any, checkpoint: Path, marker: dict[str, Any]
         saved = _SavedZero3(checkpoint, saved_ranks) if saved_stage == 3 else _SavedZero12(checkpoint, saved_ranks)
         (_fill_zero3 if current_stage_3 else _fill_zero12)(engine, saved)
     return client_state
+
+
+def check_same_parameters(engine: Any, checkpoint: Path, saved_stage: int) -> None:
+    """Refuse, before anything is loaded, a checkpoint whose trainable parameters (names and shapes, as DeepSpeed
+    recorded them) are not this model's."""
+    name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if saved_stage == 3 else "mp_rank_00_model_states.pt"
+    saved = {n: tuple(shape) for group in _open(Path(checkpoint) / _TAG / name)["param_shapes"]
+             for n, shape in group.items()}
+    current = {n: tuple(getattr(p, "ds_shape", p.shape)) for p, n in engine.param_names.items() if p.requires_grad}
+    if saved == current:
+        return
+    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    reshaped = sorted(n for n in set(saved) & set(current) if saved[n] != current[n])
+    details = "; ".join(part for part in (
+        f"not in the checkpoint: {missing[:5]}" if missing else "",
+        f"only in the checkpoint: {unexpected[:5]}" if unexpected else "",
+        "other shapes: " + ", ".join(f"{n} {saved[n]} -> {current[n]}" for n in reshaped[:5]) if reshaped else "",
+    ) if part)
+    raise ValueError(f"{checkpoint} holds other trainable parameters than this model ({details}). Resume with the"
+                     " model that wrote it; to start from its weights with another model, export them with"
+                     " `lightning_ulysses.export_checkpoint(...)` and load what fits.")
 
 
 @contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Generator, Optional, Sequence, Union
@@ -776,16 +777,18 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         """A ZeRO checkpoint of another number of ranks or ZeRO stage: the weights through DeepSpeed's loader, the
         optimizer state re-partitioned for this run (:mod:`lightning_ulysses.resharding`)."""
         assert self.lightning_module is not None
+        rank_zero_info(
+            f"{checkpoint_path} was saved by {marker['world_size']} ranks (dp={marker.get('dp_size')} ×"
+            f" sp={marker.get('sp_size')}, ZeRO {marker.get('zero_stage')}); loading it on {self.world_size}"
+            f" (dp={self.dp_size} × sp={self.sp_size}, ZeRO {self._zero_stage})"
+            + (", the optimizer state re-partitioned ..." if resuming else " ..."))
+        started = time.perf_counter()
         with _checkpoint.zero3_inference_loading(self.deepspeed_engine if self.zero_stage_3 else None):
             client_state = resharding.load_on_another_layout(self.deepspeed_engine, Path(checkpoint_path), marker,
                                                              resuming, self.lightning_module.strict_loading)
         if client_state is None:
             raise ValueError(f"DeepSpeed could not load the model states of {checkpoint_path}.")
-        rank_zero_info(
-            f"{checkpoint_path} was saved by {marker['world_size']} ranks (dp={marker.get('dp_size')} ×"
-            f" sp={marker.get('sp_size')}, ZeRO {marker.get('zero_stage')}); loaded on {self.world_size}"
-            f" (dp={self.dp_size} × sp={self.sp_size}, ZeRO {self._zero_stage})"
-            + (", the optimizer state re-partitioned." if resuming else "."))
+        rank_zero_info(f"... loaded in {time.perf_counter() - started:.1f} s.")
         return client_state
 
     def _verify_checkpoint_digests(self, checkpoint_path: Any) -> None:

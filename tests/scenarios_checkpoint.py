@@ -101,7 +101,8 @@ class KillWhileSaving(Callback):
 def _fit(run: dict, root: Path) -> dict[str, Any]:
     seed_everything(SEED, verbose=False)
     dataset = RowDataset(run["num_rows"], run["seq_len"])
-    module = MomentumLM(tiny_llama_config(num_kv_heads=KV_HEADS), lr=LR, dataset=dataset, batch_size=run["batch_size"])
+    module = MomentumLM(tiny_llama_config(num_kv_heads=KV_HEADS, layers=run.get("layers", 2)), lr=LR, dataset=dataset,
+                        batch_size=run["batch_size"])
     log = StepLog()
     callbacks: list[Callback] = [log]
     if run.get("ckpt_every"):

@@ -35,6 +35,8 @@ def runs(root):
         **{f"sp4_from_sp2_z{s}": {**BASE, "sp_size": 4, "stage": s, "resume": f"sp2_z{s}/step=4.ckpt",
                                   "ckpt_every": 4, "ckpt_dir": f"sp4_z{s}"} for s in STAGES},
         "dp2_sp2_z3": {**DP2_SP2, "stage": 3, "ckpt_every": 2, "ckpt_dir": "dp2_sp2_z3"},
+        "ring2x2_from_sp2_z2": {**BASE, "sp_size": 4, "stage": 2, "strategy": {"ring_size": 2},
+                                "resume": "sp2_z2/step=4.ckpt"},
         "sp4_z3_from_sp2_z2": {**BASE, "sp_size": 4, "stage": 3, "resume": "sp2_z2/step=4.ckpt",
                                "ckpt_every": 4, "ckpt_dir": "sp4_z3_from_z2"},
         **{f"validate_sp2_z{s}_on_sp4_z{t}": {**BASE, "sp_size": 4, "stage": t, "validate": f"sp2_z{s}/step=4.ckpt"}
@@ -45,7 +47,8 @@ def runs(root):
         "sp2_z2_from_sp4_z3": {**BASE, "stage": 2, "resume": "sp4_z3_from_z2/step=8.ckpt"},
         "sp2_z3_from_sp2_z1": {**BASE, "stage": 3, "resume": "sp2_z1/step=4.ckpt"},
         **{f"validate_sp2_z{s}_on_sp2_z{s}": {**BASE, "stage": s, "validate": f"sp2_z{s}/step=4.ckpt"}
-           for s in {s for s, _ in VALIDATIONS}}}})
+           for s in {s for s, _ in VALIDATIONS}},
+        "another_model": {**BASE, "stage": 2, "layers": 3, "resume": "sp4_z3/step=8.ckpt", "may_fail": True}}})
     return {**{k: first for k in first[0]}, **{k: second for k in second[0]}, **{k: third for k in third[0]}}
 
 
@@ -82,10 +85,10 @@ def test_data_parallel_replicas_fold_into_a_larger_micro_batch(runs):
 
 
 @pytest.mark.parametrize("name, first_step", [("sp4_z3_from_sp2_z2", 5), ("sp2_z2_from_sp4_z3", 9),
-                                              ("sp2_z3_from_sp2_z1", 5)])
+                                              ("sp2_z3_from_sp2_z1", 5), ("ring2x2_from_sp2_z2", 5)])
 def test_zero_stage_changes_with_or_without_the_number_of_ranks(runs, reference, name, first_step):
-    """ZeRO 2 on 2 ranks -> ZeRO 3 on 4 (step 4), that run's step 8 -> ZeRO 2 on 2, and ZeRO 1 -> ZeRO 3 on the same
-    2 ranks: the steps of the uninterrupted run."""
+    """ZeRO 2 on 2 ranks -> ZeRO 3 on 4 (step 4), that run's step 8 -> ZeRO 2 on 2, ZeRO 1 -> ZeRO 3 on the same
+    2 ranks, and sp=2 (Ulysses) on 2 ranks -> ring 2 × Ulysses 2 on 4: the steps of the uninterrupted run."""
     assert_continues(global_steps(runs[name], name), reference, first_step)
 
 
@@ -112,3 +115,13 @@ def test_export_a_checkpoint_written_after_a_layout_change(runs, root, tmp_path)
     worst = max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12)).item() for k in b)
     print(f"[measured] exported weights, resumed on 4 ranks vs uninterrupted: worst relative difference {worst:.1e}")
     assert worst <= 1e-6
+
+
+def test_another_model_is_refused_before_loading(runs):
+    """A model with a third layer resuming a 2-layer checkpoint of another layout: a ValueError naming the
+    parameters, before any weight is loaded."""
+    for rank in runs["another_model"]:
+        kind, message = rank["another_model"]["error"]
+        assert kind == "ValueError", message
+        assert "other trainable parameters than this model" in message and "layers.2" in message
+        assert "export_checkpoint" in message
