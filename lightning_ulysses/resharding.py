@@ -15,9 +15,10 @@ the new run fills its own partition (:class:`_SavedZero12` / :class:`_SavedZero3
 ``_fill_zero3`` write, both by parameter name). The shards are opened **memory-mapped** and only the parts that
 overlap this rank's partition are read: the memory of this rank's partition plus one parameter's slice, never the
 whole optimizer state. Scalars (step counts) and the parameter groups' hyperparameters (the learning rate the
-scheduler reached) are the same in every shard. The weights come through DeepSpeed's loader (its consolidated fp32
-state for ZeRO 3 and from a ZeRO 3 checkpoint: the whole model in fp32 on each rank, once, no optimizer state). No
-converted copy is written, so a crash during loading leaves nothing half-converted behind.
+scheduler reached) are the same in every shard. The weights come through DeepSpeed's loader: the saved module at
+ZeRO 1/2, else the model consolidated in fp32 from the saved masters parameter by parameter (the whole model on each
+rank once, no optimizer state; DeepSpeed's own consolidation would load every optimizer shard whole). No converted
+copy is written, so a crash during loading leaves nothing half-converted behind.
 
 DeepSpeed's universal checkpoints (``ds_to_universal``) cannot serve here: in 0.19.8 the converter reads
 ``exp_avg``/``exp_avg_sq`` by name, so SGD with momentum fails, and every parameter is written to its own files
@@ -45,13 +46,13 @@ def load_on_another_layout(engine: Any, checkpoint: Path, marker: dict[str, Any]
     current_stage_3 = engine.zero_optimization_partition_weights()
     check_same_parameters(engine, checkpoint, saved_stage)
     placeholders = saved_stage == 3 and not current_stage_3  # the saved module holds ZeRO-3 placeholders
+    saved = _SavedZero3(checkpoint, saved_ranks) if saved_stage == 3 else _SavedZero12(checkpoint, saved_ranks)
 
     def consolidated_weights(src: Any, dst: Any) -> None:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        dst.load_state_dict(_consolidated_weights(saved, checkpoint, saved_stage), strict=strict)
 
-        dst.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=_TAG), strict=strict)
-
-    with _model_states_of_the_saved_layout(engine, saved_ranks, saved_stage):
+    with _model_states_of_the_saved_layout(engine, saved_ranks, saved_stage), \
+            _consolidation_from(saved, checkpoint, saved_stage):
         _, client_state = engine.load_checkpoint(str(checkpoint), load_optimizer_states=False,
                                                  load_lr_scheduler_states=False, load_module_strict=strict,
                                                  custom_load_fn=consolidated_weights if placeholders else None)
@@ -60,9 +61,39 @@ def load_on_another_layout(engine: Any, checkpoint: Path, marker: dict[str, Any]
     if placeholders and engine.optimizer is not None:  # an inference engine has no optimizer
         engine.optimizer.refresh_fp32_params()
     if load_optimizer:
-        saved = _SavedZero3(checkpoint, saved_ranks) if saved_stage == 3 else _SavedZero12(checkpoint, saved_ranks)
         (_fill_zero3 if current_stage_3 else _fill_zero12)(engine, saved)
     return client_state
+
+
+def _consolidated_weights(saved: "_Saved", checkpoint: Path, saved_stage: int) -> dict[str, torch.Tensor]:
+    """The whole model in fp32 (trainable parameters from the saved masters, one at a time; buffers and frozen
+    parameters from the saved module), without DeepSpeed's consolidation, which loads every optimizer shard whole."""
+    name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if saved_stage == 3 else "mp_rank_00_model_states.pt"
+    states = _open(Path(checkpoint) / _TAG / name)
+    if saved_stage == 3 and states.get("frozen_param_shapes"):  # partitioned frozen weights: DeepSpeed's way
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=_TAG)
+    weights = {k: v for k, v in states["module"].items() if saved_stage < 3 or k in states.get("buffer_names", [])}
+    for group in states["param_shapes"]:
+        for param, shape in group.items():
+            weights[param] = saved.read(param, "", 0, math.prod(shape)).view(shape).clone()
+    return weights
+
+
+@contextmanager
+def _consolidation_from(saved: "_Saved", checkpoint: Path, saved_stage: int) -> Iterator[None]:
+    """DeepSpeed's ZeRO-3 engine takes its weights from ``get_fp32_state_dict_from_zero_checkpoint`` when it loads
+    without optimizer states; this run's consolidation (:func:`_consolidated_weights`) stands in for it."""
+    import deepspeed.runtime.engine as engine_module
+
+    original = engine_module.get_fp32_state_dict_from_zero_checkpoint
+    engine_module.get_fp32_state_dict_from_zero_checkpoint = \
+        lambda *args, **kwargs: _consolidated_weights(saved, checkpoint, saved_stage)
+    try:
+        yield
+    finally:
+        engine_module.get_fp32_state_dict_from_zero_checkpoint = original
 
 
 def check_same_parameters(engine: Any, checkpoint: Path, saved_stage: int) -> None:
