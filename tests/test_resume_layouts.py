@@ -7,6 +7,7 @@ Three launches: 2, 4, then 2 processes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,16 @@ def test_another_model_is_refused_before_loading(runs):
         assert kind == "ValueError", message
         assert "other trainable parameters than this model" in message and "layers.2" in message
         assert "export_checkpoint" in message
+
+
+def test_loading_on_another_layout_writes_nothing(runs, root):
+    """Re-partitioning happens in memory at load: the checkpoints that were resumed on other layouts (several times)
+    are byte for byte what their run wrote, so a crash while loading leaves nothing half-converted to reuse."""
+    from lightning_ulysses.checkpoint import MARKER, checkpoint_status, verify_digests
+
+    for stage in STAGES:
+        checkpoint = root / f"sp2_z{stage}" / "step=4.ckpt"
+        assert checkpoint_status(checkpoint) == (True, "")
+        assert verify_digests(checkpoint) == []
+        written = {str(f.relative_to(checkpoint)) for f in checkpoint.rglob("*") if f.is_file()} - {MARKER}
+        assert written == set(json.loads((checkpoint / MARKER).read_text())["files"])
