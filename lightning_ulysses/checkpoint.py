@@ -332,15 +332,28 @@ class ResumableLoaderMixin:
         return {"epoch": epoch, "batches": batches, "global_batch": _global_batch(self)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
         saved, current = state.get("global_batch"), _global_batch(self)
         if state.get("batches") and saved is not None and current is not None and saved != current:
-            raise ValueError(
-                f"The checkpoint was taken {state['batches']} batches into an epoch with {saved} samples per step"
-                f" (micro-batch × data-parallel replicas); this run reads {current} per step, so its position in the"
-                " epoch cannot be restored exactly. Resume with the same global batch size (e.g. dp2×sp1 with"
-                " batch_size=1 ↔ dp1×sp2 with batch_size=2), or from a checkpoint taken at the end of an epoch."
+            # The epoch's order is one shuffled permutation consumed `global batch` samples per step whatever dp is,
+            # so the position is a number of samples: continue at the last step boundary of this run at or before it.
+            seen = int(state["batches"]) * int(saved)
+            state["batches"] = seen // current
+            again = seen - state["batches"] * current
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(
+                f"The checkpoint was taken {seen} samples into epoch {state.get('epoch')} with {saved} samples per"
+                f" step (micro-batch × data-parallel replicas); this run reads {current} per step, so the epoch"
+                f" continues at its sample {state['batches'] * current} (batch {state['batches']})"
+                + (f", {again} samples of the previous step seen again" if again else "")
+                + ". The steps from here are not those of the uninterrupted run (another global batch); keep"
+                " micro-batch × dp the same for an exact continuation."
             )
-        self.__dict__["_ulysses_resume"] = dict(state)
+            on_change = self.__dict__.get("_ulysses_on_position_change")
+            if on_change is not None:
+                on_change(state["batches"])
+        self.__dict__["_ulysses_resume"] = state
 
     def __iter__(self) -> Iterator[Any]:
         # A generator: this body runs at the first next(), after Lightning has set the sampler's epoch.
@@ -408,19 +421,24 @@ def continue_truncated_epoch(checkpoint: dict[str, Any], batches_per_epoch: floa
     return True
 
 
-def install_resumable_loader(dataloader: Any) -> Any:
+def install_resumable_loader(dataloader: Any, on_position_change: Optional[Callable[[int], None]] = None) -> Any:
     """The same train DataLoader (sampler, collate, workers, state) as an instance of a subclass with
-    :class:`ResumableLoaderMixin`; loaders over an ``IterableDataset`` (no index to skip to) are returned unchanged."""
+    :class:`ResumableLoaderMixin`; loaders over an ``IterableDataset`` (no index to skip to) are returned unchanged.
+    ``on_position_change(batch)``: called when a resume with another global batch continues the epoch at ``batch``
+    (the strategy aligns Lightning's count of the epoch's batches with it)."""
     from torch.utils.data import DataLoader, IterableDataset
 
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
         return dataloader
     cls = type(dataloader)
     if issubclass(cls, ResumableLoaderMixin):
-        return dataloader
-    resumable_cls = type(f"Resumable{cls.__name__}", (ResumableLoaderMixin, cls), {})
-    resumable = resumable_cls.__new__(resumable_cls)
-    resumable.__dict__.update(dataloader.__dict__)
+        resumable = dataloader
+    else:
+        resumable_cls = type(f"Resumable{cls.__name__}", (ResumableLoaderMixin, cls), {})
+        resumable = resumable_cls.__new__(resumable_cls)
+        resumable.__dict__.update(dataloader.__dict__)
+    if on_position_change is not None:  # told the batch the epoch continues at when the global batch changed
+        resumable.__dict__["_ulysses_on_position_change"] = on_position_change
     return resumable
 
 

@@ -658,13 +658,26 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if accumulation > 1 and kind == "train":
             dataloader = install_accumulation_window(dataloader, accumulation, self._batches_in_epoch)
         if kind == "train":
-            dataloader = _checkpoint.install_resumable_loader(dataloader)  # mid-epoch resume at the right batch
+            dataloader = _checkpoint.install_resumable_loader(  # mid-epoch resume at the right batch
+                dataloader, on_position_change=self._continue_epoch_at)
         queue = self._step_queues.setdefault(kind, StepStateQueue())
         on_exhausted = None
         if self._agreement is not None:
             agreement = self._agreement
             on_exhausted = lambda: agreement.verify_end_of_data(where=f"end of the {kind} data")  # noqa: E731
         return install_step_state(dataloader, queue, on_exhausted)
+
+    def _continue_epoch_at(self, batch: int) -> None:
+        """A resume with another global batch continues the epoch at ``batch`` of this run's batches: Lightning's
+        count of the epoch's batches (restored from the checkpoint in the saving run's batches) follows, so the
+        epoch ends with the loader."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:
+            return
+        current = trainer.fit_loop.epoch_loop.batch_progress.current
+        shift = batch - current.ready  # keep the saved counts' differences (a save inside the batch's end hooks)
+        current.ready, current.started = current.ready + shift, current.started + shift
+        current.processed, current.completed = current.processed + shift, current.completed + shift
 
     def _check_sampler(self, dataloader: Any) -> None:
         """All ranks of an SP group must read the same samples: refuse a DistributedSampler split over the world."""

@@ -63,7 +63,8 @@ class MomentumLM(CausalLM):
 
 
 class StepLog(Callback):
-    """Per optimizer step: (global_step, loss, lr, the dataset rows this replica trained on)."""
+    """Per optimizer step: (global_step, loss, lr, the dataset rows this replica trained on, Lightning's batch_idx in
+    the epoch)."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, float, float, list[int]]] = []
@@ -74,7 +75,7 @@ class StepLog(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         lr = trainer.optimizers[0].param_groups[0]["lr"]
-        self.steps.append((trainer.global_step, outputs["loss"].float().item(), lr, self._rows))
+        self.steps.append((trainer.global_step, outputs["loss"].float().item(), lr, self._rows, batch_idx))
 
 
 class KillWhileSaving(Callback):

@@ -76,7 +76,7 @@ def zero2(root, killed):
         "dp2_from_sp2": {**DP2, "stage": 2, "resume": "sp2_b2/step=2.ckpt"},  # epoch 0, batch 2 of 3
         # Refusals last (a failed fit is followed by nothing in these processes).
         "partial": _resume(2, "killed/step=8.ckpt", may_fail=True),
-        "other_batch": {**SP2_B2, "stage": 2, "resume": "z2/step=4.ckpt", "may_fail": True},
+        "other_batch": {**SP2_B2, "stage": 2, "resume": "z2/step=4.ckpt"},
     }
     return launch(2, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": runs})
 
@@ -209,11 +209,17 @@ def test_layout_change_at_zero3(zero3):
     assert_continues(global_steps(zero3, "z3_sp2_from_dp2"), global_steps(zero3, "z3_dp2_full"), 5)
 
 
-def test_resume_with_another_global_batch_is_refused(zero2):
-    for rank in zero2:
-        kind, message = rank["other_batch"]["error"]
-        assert kind == "ValueError"
-        assert "1 samples per step" in message and "reads 2 per step" in message and "same global batch" in message
+def test_resume_with_another_global_batch_continues_at_the_same_sample(zero2):
+    """A checkpoint 4 samples into epoch 0 at 1 sample per step, resumed at 2 per step (dp1×sp2, micro-batch 2): the
+    epoch continues with its samples 5-6 (Lightning's batch count follows, so the epoch ends with the data), then
+    epoch 1 in steps of 2; the global step and the schedule go on from step 4."""
+    steps = global_steps(zero2, "other_batch")
+    permutations = [torch.randperm(ROWS, generator=torch.Generator().manual_seed(SEED + e)).tolist() for e in (0, 1)]
+    expected_rows = [sorted(permutations[0][4:6])] + [sorted(permutations[1][i:i + 2]) for i in (0, 2, 4)]
+    assert [s[0] for s in steps] == [5, 6, 7, 8]
+    assert [s[3] for s in steps] == expected_rows
+    for rank in zero2:  # Lightning's batch index follows the loader: batch 2 of epoch 0's 3, then 0, 1, 2
+        assert [s[4] for s in rank["other_batch"]["steps"]] == [2, 0, 1, 2]
 
 
 def test_checkpoints_of_another_number_of_ranks_pass_the_checks(zero2, zero3, root):
@@ -462,6 +468,15 @@ def test_resumable_loader_skips_the_saved_batches_once(workers):
     sampler.set_epoch(2)
     assert [b.tolist() for b in after_epoch] == order(2)
 
-    other_batch, _, _ = make_loader(batch_size=1)
-    with pytest.raises(ValueError, match="2 samples per step.*reads 1 per step"):
+    # Another global batch: the epoch continues at the same sample (4 of 8), in this loader's batches of 1.
+    other_batch, sampler, _ = make_loader(batch_size=1)
+    with pytest.warns(UserWarning, match="2 samples per step.*reads 1 per step.*continues at its sample 4 "):
         other_batch.load_state_dict(state)
+    sampler.set_epoch(0)
+    assert [b.tolist() for b in other_batch] == [[i] for b in order(0)[2:] for i in b]
+    # 3 samples in batches of 2: back to the step boundary at sample 2 (one sample seen again), said so.
+    odd, sampler, _ = make_loader(batch_size=2)
+    with pytest.warns(UserWarning, match="continues at its sample 2 \\(batch 1\\), 1 samples of the previous step"):
+        odd.load_state_dict({"epoch": 0, "batches": 3, "global_batch": 1})
+    sampler.set_epoch(0)
+    assert [b.tolist() for b in odd] == order(0)[1:]
