@@ -11,9 +11,10 @@ Ulysses group is ``ulysses_size`` consecutive ranks, inside a node). Layout of t
 Around attention the Ulysses all-to-all gives each rank its ring rank's ``L`` tokens for ``H/U`` heads. Ring
 attention then passes the key/value blocks around the ring group point to point (``R - 1`` passes forward), and
 each rank attends its queries to every block it sees under the causal (and sliding-window) mask of the global
-positions, merging the blocks' partial results exactly with a running log-sum-exp; no rank ever holds more than
-two K/V blocks. Backward recomputes each block's probabilities from the saved log-sum-exp and passes the blocks on
-with their key/value gradients (``R`` passes), so every block's gradient ends with its owner.
+positions with a fused kernel that returns the log-sum-exp (CPU: torch's flash-attention-for-CPU op), merging the
+blocks' partial results exactly; no rank ever holds more than two K/V blocks. Backward calls the kernel's backward
+per block with the final log-sum-exp and passes the blocks on (``R - 1`` passes, overlapped with compute), their
+key/value gradients following them (``R`` passes, overlapped too), so every block's gradient ends with its owner.
 """
 
 from __future__ import annotations
@@ -89,13 +90,23 @@ def causal_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optiona
 
 
 def _sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, c: int, window: Optional[int]):
-    """The (query half, key half, mask or None) pairs of a ``[2c, 2c]`` block that have anything to attend to; the
-    mask is ``None`` where every entry is allowed. With the zigzag layout about half of the sub-blocks are empty."""
+    """The (query half, key half, causal, mask) of each ``[c, c]`` sub-block of a ``[2c, 2c]`` block that has
+    anything to attend to: ``causal`` when the two halves are the same positions without a window (the kernels'
+    own causal mode), else ``mask`` (``[c, c]``, True = attend) or ``None`` where every entry is allowed. With the
+    zigzag layout about half of the sub-blocks are empty and skipped."""
     for qh in (0, 1):
         for kh in (0, 1):
-            mask = causal_window_mask(q_pos[qh * c:(qh + 1) * c], k_pos[kh * c:(kh + 1) * c], window)
-            if mask.any():
-                yield slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c), None if mask.all() else mask
+            q_half, k_half = q_pos[qh * c:(qh + 1) * c], k_pos[kh * c:(kh + 1) * c]
+            mask = causal_window_mask(q_half, k_half, window)
+            if not mask.any():
+                continue
+            qs, ks = slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c)
+            if mask.all():
+                yield qs, ks, False, None
+            elif not window and torch.equal(q_half, k_half):
+                yield qs, ks, True, None
+            else:
+                yield qs, ks, False, mask
 
 
 def _expand_heads(block: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -103,11 +114,78 @@ def _expand_heads(block: torch.Tensor, groups: int, dtype: torch.dtype) -> torch
     return block.repeat_interleave(groups, dim=1).to(dtype)
 
 
+def _fused_cpu_kernel_applies(q: torch.Tensor) -> bool:
+    """torch's flash-attention-for-CPU op: forward returns the log-sum-exp, and it has a matching backward op."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Optional[torch.Tensor],
+                   scale: float, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q [B, h, c, D]`` over one key block ``k/v [B, h, c, D]``: ``(out [B, h, c, D] normalised
+    within the block, lse [B, h, c])``, ``lse = -inf`` for queries the block gives nothing."""
+    if fused:
+        additive = None if mask is None else _additive(mask, q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, attn_mask=additive, scale=scale)
+        if mask is not None:  # the op reports lse 0 for a query with no allowed key
+            lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+        return out, lse
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, h, c, c]
+    allowed = _causal(q.shape[-2], q.device) if causal else mask
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, h, c]
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - safe[..., None]) @ v, lse
+
+
+def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, mask: Optional[torch.Tensor], scale: float,
+                    fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one query block × key block from the *final* output and log-sum-exp of the queries (the
+    probabilities ``exp(s - lse)`` are the block's share of the whole softmax): ``(dq, dk, dv)``."""
+    if fused:
+        additive = None if mask is None else _additive(mask, q.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+            0.0, causal, attn_mask=additive, scale=scale)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    probs = torch.exp(scores - lse[..., None])  # [B, h, c, c]
+    allowed = _causal(q.shape[-2], q.device) if causal else mask
+    if allowed is not None:
+        probs = probs.masked_fill(~allowed, 0.0)
+    delta = (dout * out).sum(-1, keepdim=True)  # [B, h, c, 1]
+    dscores = probs * (dout @ v.transpose(-1, -2) - delta)
+    return (dscores @ k) * scale, (dscores.transpose(-1, -2) @ q) * scale, probs.transpose(-1, -2) @ dout
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _causal(c: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(c, c, dtype=torch.bool, device=device).tril()
+
+
+def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold one block's ``(out, lse)`` into the running ``(acc, acc_lse)`` (in place): the exact softmax over the
+    union of their keys."""
+    new = torch.logaddexp(acc_lse, lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    keep = torch.exp(acc_lse - safe)  # exp(-inf) = 0 for an empty running state
+    take = torch.exp(lse - safe)
+    acc.mul_(keep[..., None]).add_(out.to(acc.dtype) * take[..., None])
+    acc_lse.copy_(new)
+
+
 class _RingAttention(torch.autograd.Function):
-    """Ring attention with point-to-point passing of K/V blocks and an exact log-sum-exp merge; the backward pass
-    recomputes each block's probabilities from the saved log-sum-exp and passes the blocks' key/value gradients
-    around the ring with them, so each returns to its owner after a full round. Sub-blocks with nothing to attend
-    to (the zigzag layout makes about half of them) are skipped.
+    """Ring attention with point-to-point passing of K/V blocks and an exact log-sum-exp merge. Each sub-block runs
+    a fused kernel that returns its log-sum-exp (CPU: torch's flash-attention-for-CPU op and its backward op; the
+    plain matmul path elsewhere); the backward pass calls the kernel's backward with the queries' final output and
+    log-sum-exp, so nothing is recomputed twice. K/V blocks travel while the current block computes, in forward
+    and in backward; in backward the key/value gradients follow each block around the ring and return to its owner.
+    Sub-blocks with nothing to attend to (the zigzag layout makes about half of them) are skipped.
 
     Shapes: ``q [B, hq, L, D]``, ``k/v [B, hkv, L, D]`` (this ring rank's zigzag tokens), output ``[B, hq, L, D]``.
     """
@@ -119,76 +197,79 @@ class _RingAttention(torch.autograd.Function):
         B, hq, L, D = q.shape
         groups = hq // k.shape[1]
         c = L // 2
+        fused = _fused_cpu_kernel_applies(q)
+        kernel_dtype = q.dtype if fused else (torch.float64 if q.dtype == torch.float64 else torch.float32)
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        qf = q.to(acc_dtype)
+        qk = q.to(kernel_dtype)
         q_pos = _zigzag_positions(i, R, c, q.device)
-        running_max = torch.full((B, hq, L), float("-inf"), dtype=acc_dtype, device=q.device)
-        running_sum = torch.zeros((B, hq, L), dtype=acc_dtype, device=q.device)
         acc = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
+        acc_lse = torch.full((B, hq, L), float("-inf"), dtype=acc_dtype, device=q.device)
         block_k, block_v = k, v
         for step in range(R):
             owner = (i - step) % R  # whose tokens this K/V block holds
             if step + 1 < R:  # the next block travels while this one is computed
                 requests, (next_k, next_v) = _start_pass([block_k, block_v], group)
-            kx, vx = _expand_heads(block_k, groups, acc_dtype), _expand_heads(block_v, groups, acc_dtype)  # [B,hq,L,D]
-            for qs, ks, mask in _sub_blocks(q_pos, _zigzag_positions(owner, R, c, q.device), c, window):
-                scores = (qf[:, :, qs] @ kx[:, :, ks].transpose(-1, -2)) * scale  # [B, hq, c, c]
-                if mask is not None:
-                    scores = scores.masked_fill(~mask, float("-inf"))
-                old_max = running_max[:, :, qs]
-                new_max = torch.maximum(old_max, scores.amax(-1))
-                safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-                probs = torch.exp(scores - safe_max[..., None])  # masked entries: exp(-inf) = 0
-                correction = torch.where(torch.isinf(old_max), torch.zeros_like(old_max),
-                                         torch.exp(old_max - safe_max))
-                running_sum[:, :, qs] = running_sum[:, :, qs] * correction + probs.sum(-1)
-                acc[:, :, qs] = acc[:, :, qs] * correction[..., None] + probs @ vx[:, :, ks]
-                running_max[:, :, qs] = new_max
+            kx, vx = _expand_heads(block_k, groups, kernel_dtype), _expand_heads(block_v, groups, kernel_dtype)
+            for qs, ks, causal, mask in _sub_blocks(q_pos, _zigzag_positions(owner, R, c, q.device), c, window):
+                out_b, lse_b = _block_forward(qk[:, :, qs], kx[:, :, ks], vx[:, :, ks], causal, mask, scale, fused)
+                _merge(acc[:, :, qs], acc_lse[:, :, qs], out_b, lse_b.to(acc_dtype))
             if step + 1 < R:
                 for request in requests:
                     request.wait()
                 block_k, block_v = next_k, next_v
-        tiny = torch.finfo(acc_dtype).tiny
-        out = acc / running_sum.clamp(min=tiny)[..., None]
-        lse = running_max + torch.log(running_sum.clamp(min=tiny))  # [B, hq, L]
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.window, ctx.scale = group, window, scale
+        out = acc.to(kernel_dtype)
+        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.group, ctx.window, ctx.scale, ctx.fused = group, window, scale, fused
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        group, window, scale = ctx.group, ctx.window, ctx.scale
+        group, window, scale, fused = ctx.group, ctx.window, ctx.scale, ctx.fused
         R, i = dist.get_world_size(group), dist.get_rank(group)
         B, hq, L, D = q.shape
         hkv = k.shape[1]
         groups = hq // hkv
         c = L // 2
-        acc_dtype = out.dtype
-        qf, dout = q.to(acc_dtype), grad_out.to(acc_dtype)
-        delta = (dout * out).sum(-1)  # [B, hq, L]
+        kernel_dtype = out.dtype
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qk, dout = q.to(kernel_dtype), grad_out.to(kernel_dtype)
+        lse = lse.to(torch.float32) if kernel_dtype != torch.float64 else lse
         q_pos = _zigzag_positions(i, R, c, q.device)
-        dq = torch.zeros_like(qf)
-        block = [k, v, torch.zeros_like(k, dtype=acc_dtype), torch.zeros_like(v, dtype=acc_dtype)]
+        dq = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
+        block_k, block_v = k, v
+        grads_in_flight = None  # (requests, [dk, dv]) of the block arriving next
+        block_dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
+        block_dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
         for step in range(R):
             owner = (i - step) % R
-            block_k, block_v, block_dk, block_dv = block
-            kx, vx = _expand_heads(block_k, groups, acc_dtype), _expand_heads(block_v, groups, acc_dtype)
-            dk_x, dv_x = torch.zeros_like(kx), torch.zeros_like(vx)  # [B, hq, L, D]
-            for qs, ks, mask in _sub_blocks(q_pos, _zigzag_positions(owner, R, c, q.device), c, window):
-                scores = (qf[:, :, qs] @ kx[:, :, ks].transpose(-1, -2)) * scale
-                probs = torch.exp(scores - lse[:, :, qs, None])  # [B, hq, c, c]
-                if mask is not None:
-                    probs = probs.masked_fill(~mask, 0.0)
-                dv_x[:, :, ks] += probs.transpose(-1, -2) @ dout[:, :, qs]
-                dscores = probs * (dout[:, :, qs] @ vx[:, :, ks].transpose(-1, -2) - delta[:, :, qs, None])
-                dq[:, :, qs] += (dscores @ kx[:, :, ks]) * scale
-                dk_x[:, :, ks] += (dscores.transpose(-1, -2) @ qf[:, :, qs]) * scale
+            if step + 1 < R:  # the next K/V block travels while this one is computed
+                kv_requests, (next_k, next_v) = _start_pass([block_k, block_v], group)
+            kx, vx = _expand_heads(block_k, groups, kernel_dtype), _expand_heads(block_v, groups, kernel_dtype)
+            dk_x = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
+            dv_x = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
+            for qs, ks, causal, mask in _sub_blocks(q_pos, _zigzag_positions(owner, R, c, q.device), c, window):
+                dq_b, dk_b, dv_b = _block_backward(dout[:, :, qs], qk[:, :, qs], kx[:, :, ks], vx[:, :, ks],
+                                                   out[:, :, qs], lse[:, :, qs], causal, mask, scale, fused)
+                dq[:, :, qs] += dq_b
+                dk_x[:, :, ks] += dk_b
+                dv_x[:, :, ks] += dv_b
+            if grads_in_flight is not None:  # this block's gradients from the ranks before: arrived meanwhile
+                for request in grads_in_flight[0]:
+                    request.wait()
+                block_dk, block_dv = grads_in_flight[1]
             block_dk = block_dk + dk_x.view(B, hkv, groups, L, D).sum(2)
             block_dv = block_dv + dv_x.view(B, hkv, groups, L, D).sum(2)
-            # pass the block on with its gradients; after R passes each block is back with its owner
-            block = _pass_around([block_k, block_v, block_dk, block_dv], group)
-        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None, None
+            # the gradients follow their block to the next rank (after R passes they are back with the owner)
+            grads_in_flight = _start_pass([block_dk, block_dv], group)
+            if step + 1 < R:
+                for request in kv_requests:
+                    request.wait()
+                block_k, block_v = next_k, next_v
+        for request in grads_in_flight[0]:  # type: ignore[index]
+            request.wait()
+        dk, dv = grads_in_flight[1]  # type: ignore[index]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,

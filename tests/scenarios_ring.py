@@ -17,16 +17,22 @@ class Module:
 
 
 def ring_alone(payload: dict) -> dict:
+    from lightning_ulysses import ring
     from lightning_ulysses.ring import ring_attention, shard_index
+
+    fused_applies = ring._fused_cpu_kernel_applies
 
     dist.init_process_group("gloo")
     R, rank = dist.get_world_size(), dist.get_rank()
     results = {}
     for case in payload["cases"]:
         B, Hq, Hkv, S, D, window = case["B"], case["Hq"], case["Hkv"], case["S"], case["D"], case.get("window")
+        # the kernel of each block: the fused CPU op (default) or the matmul fallback (other devices)
+        ring._fused_cpu_kernel_applies = fused_applies if case.get("kernel", "fused") == "fused" else (lambda q: False)
+        dtype = getattr(torch, case.get("dtype", "float64"))
         g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(B, h, S, D, generator=g, dtype=torch.float64) for h in (Hq, Hkv, Hkv))
-        grad_out = torch.randn(B, S, Hq, D, generator=g, dtype=torch.float64)
+        q, k, v = (torch.randn(B, h, S, D, generator=g, dtype=dtype) for h in (Hq, Hkv, Hkv))
+        grad_out = torch.randn(B, S, Hq, D, generator=g, dtype=dtype)
         # the reference: full causal (windowed) attention on one rank's worth of everything
         qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
         pos = torch.arange(S)
@@ -53,5 +59,6 @@ def ring_alone(payload: dict) -> dict:
             "dv": (vl.grad - vf.grad[:, :, idx]).abs().max().item(),
             "scale": full.abs().max().item(),
         }
+    ring._fused_cpu_kernel_applies = fused_applies
     dist.destroy_process_group()
     return results
