@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses.context import ShardInfo, StepContext
 from lightning_ulysses.exchange import head_to_sequence_shards, sequence_to_head_shards
-from lightning_ulysses.ring import causal_window_mask, ring_attention
+from lightning_ulysses.ring import causal_window_mask, document_ids, ring_attention
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
@@ -164,9 +165,11 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
             kwargs.pop("sliding_window", None)
         shard = context.shard
         if context.ring_group is not None:  # hybrid: q holds this ring rank's S/R tokens, attend over all S
-            if shard is not None and shard.packed:
-                raise ValueError(ring_packed_documents_error())
-            out = ring_attention(view, q, k, v, context.ring_group, window, kwargs)  # [B, S/R, hq, D]
+            documents = None
+            if shard is not None and shard.packed:  # [B, S]: the document of every global position
+                padded_len = q.shape[2] * dist.get_world_size(context.ring_group)
+                documents = document_ids(shard.cu_seqlens, q.shape[0], padded_len, q.device)
+            out = ring_attention(view, q, k, v, context.ring_group, window, kwargs, documents)  # [B, S/R, hq, D]
         elif shard is not None and shard.packed:
             if not keeps_documents_apart(inner_name, context.sdpa_per_document):
                 raise ValueError(packed_documents_error(inner_name))
@@ -207,10 +210,6 @@ def _refuse_unshardable_inputs(module: nn.Module, attention_mask: Any, kwargs: d
                 " architecture cannot train under sequence parallelism; use sp_size=1."
             )
 
-
-def ring_packed_documents_error() -> str:
-    return ("Packed documents (position_ids restarting inside a row) are not supported with ring_size > 1 yet: use"
-            " one document per row (right padding), or ring_size=1.")
 
 
 def packed_documents_error(impl: str) -> str:

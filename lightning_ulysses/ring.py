@@ -89,24 +89,36 @@ def causal_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optiona
     return mask
 
 
-def _sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, c: int, window: Optional[int]):
+def _sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, c: int, window: Optional[int],
+                documents: Optional[torch.Tensor] = None):
     """The (query half, key half, causal, mask) of each ``[c, c]`` sub-block of a ``[2c, 2c]`` block that has
-    anything to attend to: ``causal`` when the two halves are the same positions without a window (the kernels'
-    own causal mode), else ``mask`` (``[c, c]``, True = attend) or ``None`` where every entry is allowed. With the
-    zigzag layout about half of the sub-blocks are empty and skipped."""
+    anything to attend to: ``causal`` when the two halves are the same positions without a window or documents (the
+    kernels' own causal mode), else ``mask`` (``[c, c]``, or ``[B, 1, c, c]`` with packed ``documents [B, S]``: True =
+    attend) or ``None`` where every entry is allowed. With the zigzag layout about half of the sub-blocks are empty
+    and skipped (with packed documents also those whose queries' documents start after their keys)."""
     for qh in (0, 1):
         for kh in (0, 1):
             q_half, k_half = q_pos[qh * c:(qh + 1) * c], k_pos[kh * c:(kh + 1) * c]
             mask = causal_window_mask(q_half, k_half, window)
+            if documents is not None:  # [B, 1, c, c]: the same document, on global positions
+                mask = mask & (documents[:, q_half, None] == documents[:, None, k_half])[:, None]
             if not mask.any():
                 continue
             qs, ks = slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c)
             if mask.all():
                 yield qs, ks, False, None
-            elif not window and torch.equal(q_half, k_half):
+            elif not window and documents is None and torch.equal(q_half, k_half):
                 yield qs, ks, True, None
             else:
                 yield qs, ks, False, mask
+
+
+def document_ids(cu_seqlens: torch.Tensor, batch_size: int, padded_len: int, device: torch.device) -> torch.Tensor:
+    """``[B, S]`` index of the packed document of every global position, from the documents' offsets in the
+    flattened ``[B × S]`` batch (``cu_seqlens``)."""
+    flat = torch.arange(batch_size * padded_len, device=device)
+    return (torch.searchsorted(cu_seqlens.to(device=device, dtype=torch.long), flat, right=True) - 1).view(
+        batch_size, padded_len)
 
 
 def _expand_heads(block: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -129,7 +141,7 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, attn_mask=additive, scale=scale)
         if mask is not None:  # the op reports lse 0 for a query with no allowed key
-            lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+            lse = lse.masked_fill(~mask.any(-1), float("-inf"))  # [c] or [B, 1, c] over [B, h, c]
         return out, lse
     scores = (q @ k.transpose(-1, -2)) * scale  # [B, h, c, c]
     allowed = _causal(q.shape[-2], q.device) if causal else mask
@@ -192,7 +204,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,  # type: ignore[override]
-                window: Optional[int], scale: float) -> torch.Tensor:
+                window: Optional[int], scale: float, documents: Optional[torch.Tensor]) -> torch.Tensor:
         R, i = dist.get_world_size(group), dist.get_rank(group)
         B, hq, L, D = q.shape
         groups = hq // k.shape[1]
@@ -210,7 +222,8 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < R:  # the next block travels while this one is computed
                 requests, (next_k, next_v) = _start_pass([block_k, block_v], group)
             kx, vx = _expand_heads(block_k, groups, kernel_dtype), _expand_heads(block_v, groups, kernel_dtype)
-            for qs, ks, causal, mask in _sub_blocks(q_pos, _zigzag_positions(owner, R, c, q.device), c, window):
+            k_pos = _zigzag_positions(owner, R, c, q.device)
+            for qs, ks, causal, mask in _sub_blocks(q_pos, k_pos, c, window, documents):
                 out_b, lse_b = _block_forward(qk[:, :, qs], kx[:, :, ks], vx[:, :, ks], causal, mask, scale, fused)
                 _merge(acc[:, :, qs], acc_lse[:, :, qs], out_b, lse_b.to(acc_dtype))
             if step + 1 < R:
@@ -219,13 +232,13 @@ class _RingAttention(torch.autograd.Function):
                 block_k, block_v = next_k, next_v
         out = acc.to(kernel_dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.group, ctx.window, ctx.scale, ctx.fused = group, window, scale, fused
+        ctx.group, ctx.window, ctx.scale, ctx.fused, ctx.documents = group, window, scale, fused, documents
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        group, window, scale, fused = ctx.group, ctx.window, ctx.scale, ctx.fused
+        group, window, scale, fused, documents = ctx.group, ctx.window, ctx.scale, ctx.fused, ctx.documents
         R, i = dist.get_world_size(group), dist.get_rank(group)
         B, hq, L, D = q.shape
         hkv = k.shape[1]
@@ -248,7 +261,8 @@ class _RingAttention(torch.autograd.Function):
             kx, vx = _expand_heads(block_k, groups, kernel_dtype), _expand_heads(block_v, groups, kernel_dtype)
             dk_x = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
             dv_x = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
-            for qs, ks, causal, mask in _sub_blocks(q_pos, _zigzag_positions(owner, R, c, q.device), c, window):
+            k_pos = _zigzag_positions(owner, R, c, q.device)
+            for qs, ks, causal, mask in _sub_blocks(q_pos, k_pos, c, window, documents):
                 dq_b, dk_b, dv_b = _block_backward(dout[:, :, qs], qk[:, :, qs], kx[:, :, ks], vx[:, :, ks],
                                                    out[:, :, qs], lse[:, :, qs], causal, mask, scale, fused)
                 dq[:, :, qs] += dq_b
@@ -269,11 +283,12 @@ class _RingAttention(torch.autograd.Function):
         for request in grads_in_flight[0]:  # type: ignore[index]
             request.wait()
         dk, dv = grads_in_flight[1]  # type: ignore[index]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                   window: Optional[int], kwargs: dict[str, Any]) -> torch.Tensor:
+                   window: Optional[int], kwargs: dict[str, Any],
+                   documents: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of this ring rank's queries over the whole sequence, K/V blocks passed around the ring.
 
     Args:
@@ -284,6 +299,8 @@ def ring_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         window: the layer's sliding window (``None``: full causal).
         kwargs: transformers' attention keywords: ``scaling`` is used; attention dropout and soft-capping are
             refused.
+        documents: ``[B, S]`` packed-document index of every global position (:func:`document_ids`), or ``None``
+            (one causal sequence per row).
 
     Returns:
         ``[B, L, hq, D]`` in the same token order as ``q``.
@@ -296,5 +313,5 @@ def ring_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     scale = kwargs.get("scaling")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    out = _RingAttention.apply(q, k, v, group, window, float(scale))  # [B, hq, L, D]
+    out = _RingAttention.apply(q, k, v, group, window, float(scale), documents)  # [B, hq, L, D]
     return out.transpose(1, 2)  # [B, L, hq, D]

@@ -468,9 +468,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             )
         if self._agreement is not None and shard.fingerprint is not None:
             self._agreement.verify(shard.fingerprint, shard.seq_len, shard.batch_size, where=f"{kind} step")
-        if shard.packed and self.ring_size > 1:
-            raise ValueError(hf_attention.ring_packed_documents_error())
-        if shard.packed:
+        if shard.packed and self.ring_size == 1:  # the ring kernel keeps documents apart itself
             for model in self._prepared_models:
                 impl = hf_attention.attention_implementation(model)
                 if not hf_attention.keeps_documents_apart(impl, self.sdpa_per_document):

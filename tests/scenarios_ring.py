@@ -39,6 +39,13 @@ def ring_alone(payload: dict) -> dict:
         allowed = pos[None, :] <= pos[:, None]
         if window:
             allowed &= pos[None, :] > pos[:, None] - window
+        documents = None
+        if case.get("document_starts"):  # packed documents: attend within the same document only
+            start = torch.zeros(S, dtype=torch.long)
+            start[case["document_starts"]] = 1
+            doc = start.cumsum(0)  # [S]
+            allowed &= doc[None, :] == doc[:, None]
+            documents = doc.expand(B, S).contiguous()
         full = F.scaled_dot_product_attention(qf, kf.repeat_interleave(Hq // Hkv, 1),
                                               vf.repeat_interleave(Hq // Hkv, 1), attn_mask=allowed)
         full = full.transpose(1, 2)  # [B, S, Hq, D]
@@ -48,7 +55,7 @@ def ring_alone(payload: dict) -> dict:
         ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
         module = Module()
         module.num_key_value_groups = Hq // Hkv
-        out = ring_attention(module, ql, kl, vl, dist.group.WORLD, window, {})  # [B, L, Hq, D]
+        out = ring_attention(module, ql, kl, vl, dist.group.WORLD, window, {}, documents)  # [B, L, Hq, D]
         (out * grad_out[:, idx]).sum().backward()
         # the keys' gradients: every rank's queries contribute to every key; sum the ranks' local key gradients
         # at their positions is what the gather's adjoint already did, so compare directly

@@ -201,7 +201,8 @@ def _fit(case: dict) -> dict:
     generation = Generation(case["generate"]) if case.get("generate") else None
     if generation is not None:
         callbacks.append(generation)
-    strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=case.get("stage", 2), **case.get("strategy", {}))
+    strategy = UlyssesDeepSpeedStrategy(sp_size=case.get("sp_size", 2), stage=case.get("stage", 2),
+                                        **case.get("strategy", {}))
     trainer = make_trainer(strategy, case.get("max_steps", 4), callbacks=callbacks, **case.get("trainer", {}))
     result: dict[str, Any] = {"error_type": None, "message": None}
     start = time.monotonic()

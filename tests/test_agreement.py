@@ -27,7 +27,6 @@ CASES = [
     {"name": "unbatched", "loader": "unbatched"},
     {"name": "no_attention", "module": "no_attention"},
     {"name": "dataloader_iter", "module": "dataloader_iter"},
-    {"name": "ring_packed", "loader": "packed", "strategy": {"ring_size": 2, "sdpa_per_document": True}},
     {"name": "mask_4d", "loader": "mask_4d"},
     {"name": "accumulate2", "trainer": {"accumulate_grad_batches": 2}},
     {"name": "accumulate4", "max_steps": 2, "trainer": {"accumulate_grad_batches": 4}},
@@ -111,7 +110,6 @@ REFUSALS = {
     "no_attention": ("found no Hugging Face PreTrainedModel and no attention core", "attention_modules=[...]",
                      "sp_size=1"),
     "dataloader_iter": ("`dataloader_iter`", "Take `batch`"),  # a step that pulls batches itself
-    "ring_packed": ("Packed documents", "ring_size > 1"),
 }
 
 

@@ -17,6 +17,9 @@ RING_CASES = [  # the fused CPU kernel (torch's flash-attention-for-CPU op) unle
     {"name": "gqa_r4_odd_len", "B": 1, "Hq": 4, "Hkv": 2, "S": 24, "D": 8},
     {"name": "window_r4", "B": 1, "Hq": 2, "Hkv": 1, "S": 32, "D": 8, "window": 5},
     {"name": "gqa_window_r4_matmul", "B": 1, "Hq": 4, "Hkv": 2, "S": 40, "D": 8, "window": 7, "kernel": "matmul"},
+    {"name": "packed_gqa_r4", "B": 2, "Hq": 4, "Hkv": 2, "S": 48, "D": 8, "document_starts": [5, 6, 19, 30]},
+    {"name": "packed_window_r4_matmul", "B": 1, "Hq": 2, "Hkv": 2, "S": 40, "D": 8, "window": 6,
+     "document_starts": [9, 23], "kernel": "matmul"},
     {"name": "mha_r4_float32", "B": 1, "Hq": 4, "Hkv": 4, "S": 64, "D": 16, "dtype": "float32", "tolerance": 2e-6},
 ]
 CASES_BY_NAME = {c["name"]: c for c in RING_CASES}
@@ -141,3 +144,27 @@ def test_resume_with_another_ring_ulysses_split(launched, name, first_step):
 
     fits = [rank["fits"] for rank in launched]
     assert_continues(global_steps(fits, name), global_steps(fits, "ring_full"), first_step)
+
+
+# Packed documents (position_ids restarting at 0) with ring: document boundaries on global positions in the zigzag
+# layout, through the harness of tests/test_steps.py (its one-device reference keeps the documents apart by a mask).
+PACKED_RING = [
+    {"name": f"packed-ring{r}x{u}-zero{stage}", "step": "model_loss", "reference": "mask_and_labels",
+     "data": "packed", "stage": stage, "sp_size": r * u, "strategy": {"ring_size": r}}
+    for r, u in ((2, 1), (2, 2)) for stage in (2, 3)
+]
+
+
+@pytest.fixture(scope="module")
+def packed_ring():
+    two = launch(2, "tests.scenarios_steps:run", {"cases": [c for c in PACKED_RING if c["sp_size"] == 2]})
+    four = launch(4, "tests.scenarios_steps:run", {"cases": [c for c in PACKED_RING if c["sp_size"] == 4]})
+    return {name: [r[name] for r in ranks] for ranks in (two, four) for name in ranks[0]}
+
+
+@pytest.mark.parametrize("index", range(len(PACKED_RING)), ids=[c["name"] for c in PACKED_RING])
+def test_packed_documents_with_ring_train_like_one_device(packed_ring, index):
+    from tests.test_steps import check_exact
+
+    case = PACKED_RING[index]
+    check_exact(case, packed_ring[case["name"]])
