@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Every CUDA path of the project in one command, with a report:
+#
+#   bash scripts/gpu_check.sh            # on a machine with 1 or more NVIDIA GPUs (about 10 minutes on one H100)
+#
+# 1. sets up .venv (scripts/setup_env.sh; on a GPU machine the torch pin resolves to the CUDA build) and tries to
+#    install flash-attn from a prebuilt wheel (no compilation: skipped cleanly when none matches);
+# 2. runs tests/test_cuda.py (each CUDA path against one GPU the way the CPU tests do; cases that need more GPUs
+#    than there are skip with their reason);
+# 3. runs the GPU sweep of benchmarks/sweep.py (tokens/s and peak memory per rank, sp over the GPUs there are);
+# 4. writes benchmarks/results/gpu/report.md (+ junit.xml, sweep.csv, environment.txt): pass/fail per path,
+#    tokens/s, peak memory per rank, MFU where the GPU's peak is known.
+#
+# On a machine without a GPU it checks nothing, prints a one-line summary and exits 0 (CI machines have none).
+# Environment: GPU_CHECK_LENGTHS (sweep sequence lengths, default "16384 32768"), GPU_CHECK_SKIP_SWEEP=1.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="$ROOT/benchmarks/results/gpu"
+REPORT="$OUT/report.md"
+
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+    gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
+fi
+if [[ "$gpus" -eq 0 ]]; then
+    echo "[gpu_check] summary: no NVIDIA GPU here, nothing checked, no report written (the CPU paths are tested by"
+    echo "[gpu_check] bash scripts/run_tests.sh). Run this on a GPU machine."
+    exit 0
+fi
+mkdir -p "$OUT"
+{
+    echo "# GPU check ($(date -u +%Y-%m-%dT%H:%MZ))"
+    echo
+    echo "GPUs: $gpus ($(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs))"
+} > "$REPORT"
+
+bash "$ROOT/scripts/setup_env.sh" || { echo "setup failed" | tee -a "$REPORT"; exit 1; }
+PY="${VENV_DIR:-$ROOT/.venv}/bin/python"
+nvidia-smi > "$OUT/environment.txt" 2>&1
+"$PY" -m pip list 2>/dev/null | grep -Ei "^(torch|deepspeed|lightning|transformers|flash|triton) " >> "$OUT/environment.txt"
+
+# flash-attn: only a prebuilt wheel (building from source takes an hour); a miss is not a failure.
+if ! "$PY" -c "import flash_attn" 2>/dev/null; then
+    if timeout 300 "$PY" -m pip install -qq --only-binary=:all: flash-attn 2>/dev/null; then
+        echo "flash-attn: installed from a wheel" | tee -a "$REPORT"
+    else
+        echo "flash-attn: no prebuilt wheel for this torch/CUDA/Python: flash_attention_2 cases skip" | tee -a "$REPORT"
+    fi
+fi
+
+cd "$ROOT"
+rc=0
+"$PY" -m pytest tests/test_cuda.py -v -rs --junitxml="$OUT/junit.xml" > "$OUT/test_cuda.log" 2>&1 || rc=$?
+{
+    echo
+    echo "## tests/test_cuda.py (exit $rc)"
+    echo
+    echo '```'
+    grep -E "PASSED|FAILED|SKIPPED|ERROR" "$OUT/test_cuda.log" | sed 's/^tests\/test_cuda.py:://' | head -100
+    tail -1 "$OUT/test_cuda.log"
+    echo '```'
+} >> "$REPORT"
+
+if [[ "${GPU_CHECK_SKIP_SWEEP:-0}" != "1" ]]; then
+    sps=$("$PY" -c "n=$gpus; print(' '.join(str(s) for s in (1, 2, 4, 8) if s <= n))")
+    lengths="${GPU_CHECK_LENGTHS:-16384 32768}"
+    # shellcheck disable=SC2086
+    if "$PY" benchmarks/sweep.py --lengths $lengths --sp $sps --hidden 2048 --layers 8 --heads 16 --vocab 32000 \
+            --configs plain alst --steps 5 --max-length 0 > "$OUT/sweep.log" 2>&1; then
+        cp benchmarks/out/sweep.csv "$OUT/sweep.csv"
+        {
+            echo
+            echo "## benchmarks/sweep.py (hidden 2048, 8 layers, 16 heads, bf16 on CUDA)"
+            echo
+            "$PY" - "$OUT/sweep.csv" <<'EOF'
+import csv, sys
+import torch
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s per GPU
+name = torch.cuda.get_device_name(0)
+peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+params = 8 * 12 * 2048 ** 2 + 2 * 32000 * 2048  # ≈ parameters of the swept model
+print("| config | sp | seq_len | peak MiB/rank | tokens/s | MFU |")
+print("|---|---|---|---|---|---|")
+for r in csv.DictReader(open(sys.argv[1])):
+    tokens, S = float(r["tokens_per_s"]), int(r["seq_len"])
+    flops = tokens * (6 * params + 12 * 8 * 2048 * S)  # training FLOPs per token: weights + attention
+    mfu = f"{flops / (peak * int(r['sp'])):.1%}" if peak else "n/a"
+    print(f"| {r['config']} | {r['sp']} | {S} | {float(r['peak_mib_per_rank']):.0f} | {tokens:.0f} | {mfu} |")
+EOF
+        } >> "$REPORT"
+    else
+        rc=1
+        echo -e "\n## benchmarks/sweep.py failed: see benchmarks/results/gpu/sweep.log" >> "$REPORT"
+    fi
+fi
+echo "Report: $REPORT"
+exit "$rc"
