@@ -91,11 +91,21 @@ def causal_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optiona
 
 def _sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, c: int, window: Optional[int],
                 documents: Optional[torch.Tensor] = None):
-    """The (query half, key half, causal, mask) of each ``[c, c]`` sub-block of a ``[2c, 2c]`` block that has
-    anything to attend to: ``causal`` when the two halves are the same positions without a window or documents (the
+    """The (query slice, key slice, causal, mask) of the parts of a ``[2c, 2c]`` zigzag block that have anything to
+    attend to. Plain causal attention: one part per block (this rank's own block is causal as a whole; another
+    rank's block is seen entirely by the queries of one chunk or in its first chunk by all queries). With a window
+    or packed documents: each ``[c, c]`` sub-block that has anything to attend to, ``causal`` when the two halves are the same positions without a window or documents (the
     kernels' own causal mode), else ``mask`` (``[c, c]``, or ``[B, 1, c, c]`` with packed ``documents [B, S]``: True =
     attend) or ``None`` where every entry is allowed. With the zigzag layout about half of the sub-blocks are empty
     and skipped (with packed documents also those whose queries' documents start after their keys)."""
+    if not window and documents is None:  # plain causal: the zigzag block is one kernel call
+        if torch.equal(q_pos, k_pos):  # this rank's own block: positions ascending, exactly causal
+            yield slice(0, 2 * c), slice(0, 2 * c), True, None
+        elif k_pos[0] < q_pos[0]:  # an earlier ring rank's block: all queries see its first chunk, not its second
+            yield slice(0, 2 * c), slice(0, c), False, None
+        else:  # a later ring rank's block: only the second query chunk sees it, all of it
+            yield slice(c, 2 * c), slice(0, 2 * c), False, None
+        return
     for qh in (0, 1):
         for kh in (0, 1):
             q_half, k_half = q_pos[qh * c:(qh + 1) * c], k_pos[kh * c:(kh + 1) * c]
@@ -123,7 +133,7 @@ def document_ids(cu_seqlens: torch.Tensor, batch_size: int, padded_len: int, dev
 
 def _expand_heads(block: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
     """``[B, hkv, L, D] -> [B, hkv·groups, L, D]`` in ``dtype``: each KV head repeated for its query heads."""
-    return block.repeat_interleave(groups, dim=1).to(dtype)
+    return block.to(dtype) if groups == 1 else block.repeat_interleave(groups, dim=1).to(dtype)
 
 
 def _fused_cpu_kernel_applies(q: torch.Tensor) -> bool:
