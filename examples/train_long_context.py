@@ -181,7 +181,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=5e-3, help="AdamW peak learning rate (warmup, cosine)")
     p.add_argument("--hidden-size", type=int, default=512 if gpu else 128, help="model width (random-init model)")
     p.add_argument("--layers", type=int, default=8 if gpu else 4, help="decoder layers")
-    p.add_argument("--heads", type=int, default=8 if gpu else 4, help="attention heads (sp_size must divide them)")
+    p.add_argument("--heads", type=int, default=8 if gpu else 4, help="attention heads (at least one per Ulysses rank)")
     p.add_argument("--kv-heads", type=int, default=4 if gpu else 2, help="key/value heads (GQA)")
     p.add_argument("--precision", default="bf16-mixed" if gpu else "32-true", help="Lightning precision")
     p.add_argument("--corpus-mb", type=int, default=8, help="how much of the stdlib source to read (MiB)")
@@ -201,12 +201,18 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     seed_everything(args.seed, verbose=False)  # same initial weights on every rank
+    module = CausalLM(args)
+    # The epochs max_steps spans (so the progress bar reads "Epoch 0/1", not Lightning's "0/-2" of an open-ended run):
+    # each step takes batch_size rows per data-parallel replica, dp = world / sp_size.
+    data_parallel = max(1, args.devices * args.num_nodes // args.sp_size)
+    steps_per_epoch = max(1, len(module.train_dataloader().dataset) // (args.batch_size * data_parallel))
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
         num_nodes=args.num_nodes,
         strategy=UlyssesDeepSpeedStrategy(sp_size=args.sp_size, stage=args.stage),
         max_steps=args.max_steps,
+        max_epochs=math.ceil(args.max_steps / steps_per_epoch),
         precision=args.precision,
         logger=CSVLogger(OUT_DIR, name="train_long_context"),
         log_every_n_steps=5,
@@ -214,7 +220,7 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[TokensPerSecond(args.seq_len)],
     )
-    trainer.fit(CausalLM(args))
+    trainer.fit(module)
 
 
 if __name__ == "__main__":
