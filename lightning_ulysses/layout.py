@@ -60,16 +60,18 @@ def sp_groups_span_nodes(sp_size: int, devices_per_node: int, num_nodes: int) ->
     return num_nodes > 1 and devices_per_node % sp_size != 0
 
 
-def node_spanning_warning(sp_size: int, devices_per_node: int, num_nodes: int) -> str:
-    """The message for :func:`sp_groups_span_nodes`: which group crosses which node boundary, and what to change."""
+def node_spanning_warning(sp_size: int, devices_per_node: int, num_nodes: int, ring_size: int = 1) -> str:
+    """The message for :func:`sp_groups_span_nodes`: which group crosses which node boundary, and what to change.
+    ``sp_size`` is the size of the all-to-all group (the Ulysses part ``sp_size / ring_size`` with ring attention)."""
     if not sp_groups_span_nodes(sp_size, devices_per_node, num_nodes):
         raise ValueError(f"SP groups of {sp_size} ranks stay inside nodes of {devices_per_node} devices: nothing to warn.")
     boundary = next(m * devices_per_node for m in range(1, num_nodes) if (m * devices_per_node) % sp_size != 0)
     first = boundary // sp_size * sp_size
     divisors = [d for d in range(1, devices_per_node + 1) if devices_per_node % d == 0]
+    size = f"`sp_size={sp_size}`" if ring_size == 1 else f"the Ulysses size `sp_size / ring_size = {sp_size}`"
     return (
-        f"Sequence-parallel groups span nodes: `sp_size={sp_size}` does not divide the {devices_per_node} devices per"
-        f" node ({num_nodes} nodes), so e.g. the SP group of global ranks {first}..{first + sp_size - 1} has ranks on"
+        f"Sequence-parallel groups span nodes: {size} does not divide the {devices_per_node} devices per"
+        f" node ({num_nodes} nodes), so e.g. the all-to-all group of global ranks {first}..{first + sp_size - 1} has ranks on"
         f" node {first // devices_per_node} and node {boundary // devices_per_node}. Training is still exact, but every"
         " attention layer then runs its all-to-alls over the inter-node network, which is typically many times slower"
         f" than the links inside a node. Choose `sp_size` from {divisors} (SP inside each node, data parallelism"
@@ -123,14 +125,6 @@ class SequenceParallelLayout:
         return self.sp_size // self.ring_size
 
     @property
-    def ring_rank(self) -> int:
-        return self.sp_rank // self.ulysses_size
-
-    @property
-    def ulysses_rank(self) -> int:
-        return self.sp_rank % self.ulysses_size
-
-    @property
     def ulysses_group(self) -> dist.ProcessGroup:
         """The consecutive ranks whose all-to-all swaps sequence for heads (the whole SP group when ring_size=1)."""
         return self.ring_mesh.get_group(ULYSSES_DIM) if self.ring_mesh is not None else self.sp_group
@@ -144,11 +138,6 @@ class SequenceParallelLayout:
     def sp_group(self) -> dist.ProcessGroup:
         """The ranks that hold the shards of the same sequences (all-to-all around attention, loss sums)."""
         return self.mesh.get_group(SP_DIM)
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        """The ranks with the same ``sp_rank`` across replicas (read different samples)."""
-        return self.mesh.get_group(DP_DIM)
 
     def sp_group_ranks(self) -> list[int]:
         """Global ranks of this rank's SP group, in sequence-shard order."""

@@ -200,7 +200,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         validate_ring_size(self.ring_size, self.sp_size)
         ulysses = self.sp_size // self.ring_size  # the all-to-all group; ring traffic may cross nodes
         if sp_groups_span_nodes(ulysses, self.num_processes, self.num_nodes):
-            rank_zero_warn(node_spanning_warning(ulysses, self.num_processes, self.num_nodes))
+            rank_zero_warn(node_spanning_warning(ulysses, self.num_processes, self.num_nodes, self.ring_size))
         if isinstance(self.accelerator, CPUAccelerator):
             _use_deepspeed_cpu_accelerator()
         # Lightning's DeepSpeedStrategy refuses anything but CUDA; the DDP setup underneath works for CPU/gloo too.

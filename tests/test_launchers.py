@@ -94,6 +94,8 @@ def test_node_spanning_warning_names_the_group_and_the_fix():
     assert "Choose `sp_size` from [1, 2]" in message
     assert "global ranks 4..7 has ranks on node 0 and node 1" in node_spanning_warning(4, 6, 2)
     assert "Choose `sp_size` from [1, 2, 3, 6]" in node_spanning_warning(4, 6, 2)
+    # with ring attention the all-to-all group is the Ulysses part: the message names it
+    assert "the Ulysses size `sp_size / ring_size = 4` does not divide" in node_spanning_warning(4, 2, 2, ring_size=2)
     with pytest.raises(ValueError, match="nothing to warn"):
         node_spanning_warning(2, 4, 2)
 
