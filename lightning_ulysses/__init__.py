@@ -10,8 +10,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_ulysses.agreement import SPLossMismatchError, SPPeerMismatchError, batch_fingerprint
 from lightning_ulysses.attention import UlyssesAttention, ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelThroughputMonitor
-from lightning_ulysses.checkpoint import checkpoint_status, export_checkpoint, find_last_complete_checkpoint
+from lightning_ulysses.checkpoint import checkpoint_status, find_last_complete_checkpoint
 from lightning_ulysses.data import SequenceShardingCollate, shard_batch
+from lightning_ulysses.export import export_checkpoint
 from lightning_ulysses.generation import GenerationRendezvousError
 from lightning_ulysses.layout import SequenceParallelLayout
 from lightning_ulysses.loss import sequence_parallel_cross_entropy
