@@ -10,7 +10,7 @@ ZeRO shard into. On top of it the strategy keeps three promises:
   strategy refuses to load. (DeepSpeed's own ``latest`` file is no such marker: rank 0 writes it without waiting for
   the other ranks.)
 * **Exact resume.** The train DataLoader remembers how many batches of which epoch it has handed out
-  (:class:`ResumableLoaderMixin`); Lightning saves that with the checkpoint and, on ``fit(ckpt_path=...)``, the
+  (:class:`lightning_ulysses.loaders.ResumableLoaderMixin`); Lightning saves that with the checkpoint and, on ``fit(ckpt_path=...)``, the
   loader skips exactly those batches of the restored epoch at the index level (no sample is loaded to be thrown
   away). Without it Lightning restarts a mid-epoch checkpoint's epoch at its first batch and ends it early.
 
@@ -24,7 +24,7 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 from torch import nn
 
@@ -278,113 +278,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-# ----------------------------------------------------------------------------------------------- data position
-class _SkipFirst:
-    """A batch sampler without its first ``skip`` batches (their indices are never handed to the dataset), once: a
-    DataLoader iterator with persistent workers keeps this object and iterates it again every epoch."""
-
-    def __init__(self, batch_sampler: Any, skip: int) -> None:
-        self.batch_sampler = batch_sampler
-        self.skip = skip
-
-    def __iter__(self) -> Iterator[Any]:
-        skip, self.skip = self.skip, 0
-        iterator = iter(self.batch_sampler)
-        for _ in range(skip):
-            if next(iterator, None) is None:
-                return
-        yield from iterator
-
-    def __len__(self) -> int:
-        return max(len(self.batch_sampler) - self.skip, 0)
-
-
-def _sampler_epoch(loader: Any) -> Optional[int]:
-    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        if hasattr(sampler, "epoch"):
-            return int(sampler.epoch)
-    return None
-
-
-def _global_batch(loader: Any) -> Optional[int]:
-    """Samples per step over all replicas: the loader's batch size × the sampler's number of replicas."""
-    batch_size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size",
-                                                                 None)
-    if batch_size is None:
-        return None
-    sampler = getattr(loader, "sampler", None)
-    return int(batch_size) * int(getattr(sampler, "num_replicas", 1))
-
-
-class ResumableLoaderMixin:
-    """A train DataLoader that knows its position: ``state_dict()`` gives the epoch (its sampler's) and the number of
-    batches handed out in it; after ``load_state_dict()``, the next iteration of *that* epoch skips those batches.
-
-    Lightning saves the state of such ("stateful") loaders in the checkpoint and loads it on resume before iterating.
-    The first batches are skipped in the batch sampler, so their samples are never loaded. A checkpoint saved at the
-    end of an epoch resumes with the next epoch, unskipped.
-    """
-
-    def state_dict(self) -> dict[str, Any]:
-        epoch, batches = self.__dict__.get("_ulysses_position", (None, 0))
-        return {"epoch": epoch, "batches": batches, "global_batch": _global_batch(self)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        saved, current = state.get("global_batch"), _global_batch(self)
-        if state.get("batches") and saved is not None and current is not None and saved != current:
-            # The epoch's order is one shuffled permutation consumed `global batch` samples per step whatever dp is,
-            # so the position is a number of samples: continue at the last step boundary of this run at or before it.
-            seen = int(state["batches"]) * int(saved)
-            state["batches"] = seen // current
-            again = seen - state["batches"] * current
-            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-            rank_zero_warn(
-                f"The checkpoint was taken {seen} samples into epoch {state.get('epoch')} with {saved} samples per"
-                f" step (micro-batch × data-parallel replicas); this run reads {current} per step, so the epoch"
-                f" continues at its sample {state['batches'] * current} (batch {state['batches']})"
-                + (f", {again} samples of the previous step seen again" if again else "")
-                + ". The steps from here are not those of the uninterrupted run (another global batch); keep"
-                " micro-batch × dp the same for an exact continuation."
-            )
-            on_change = self.__dict__.get("_ulysses_on_position_change")
-            if on_change is not None:
-                on_change(state["batches"])
-        self.__dict__["_ulysses_resume"] = state
-
-    def __iter__(self) -> Iterator[Any]:
-        # A generator: this body runs at the first next(), after Lightning has set the sampler's epoch.
-        epoch = _sampler_epoch(self)
-        resume = self.__dict__.pop("_ulysses_resume", None)
-        skip = 0
-        if resume and resume.get("batches") and resume.get("epoch") == epoch:
-            skip = int(resume["batches"])
-            if skip >= len(self):  # type: ignore[arg-type]
-                skip = 0  # the epoch was complete: Lightning has moved on to the next one
-        self.__dict__["_ulysses_skip"] = skip
-        try:
-            iterator = super().__iter__()  # type: ignore[misc]
-            first = next(iterator, _END)  # the DataLoader's iterator reads _index_sampler when it starts
-        finally:
-            self.__dict__["_ulysses_skip"] = 0
-        position = skip
-        while first is not _END:
-            position += 1
-            self.__dict__["_ulysses_position"] = (epoch, position)
-            yield first
-            first = next(iterator, _END)
-
-    @property
-    def _index_sampler(self) -> Any:
-        sampler = super()._index_sampler  # type: ignore[misc]
-        skip = self.__dict__.get("_ulysses_skip", 0)
-        return _SkipFirst(sampler, skip) if skip else sampler
-
-
-_END = object()
-
-
 def continue_truncated_epoch(checkpoint: dict[str, Any], batches_per_epoch: float) -> bool:
     """Make a checkpoint taken after ``fit`` stopped inside an epoch (``max_steps``, ``trainer.should_stop``) resume
     *inside* that epoch, at its next batch, as a checkpoint taken during the epoch does.
@@ -417,24 +310,3 @@ def continue_truncated_epoch(checkpoint: dict[str, Any], batches_per_epoch: floa
     checkpoint["loops"] = {**loops, "fit_loop": fit}
     checkpoint["epoch"] = checkpoint.get("epoch", 1) - 1
     return True
-
-
-def install_resumable_loader(dataloader: Any, on_position_change: Optional[Callable[[int], None]] = None) -> Any:
-    """The same train DataLoader (sampler, collate, workers, state) as an instance of a subclass with
-    :class:`ResumableLoaderMixin`; loaders over an ``IterableDataset`` (no index to skip to) are returned unchanged.
-    ``on_position_change(batch)``: called when a resume with another global batch continues the epoch at ``batch``
-    (the strategy aligns Lightning's count of the epoch's batches with it)."""
-    from torch.utils.data import DataLoader, IterableDataset
-
-    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
-        return dataloader
-    cls = type(dataloader)
-    if issubclass(cls, ResumableLoaderMixin):
-        resumable = dataloader
-    else:
-        resumable_cls = type(f"Resumable{cls.__name__}", (ResumableLoaderMixin, cls), {})
-        resumable = resumable_cls.__new__(resumable_cls)
-        resumable.__dict__.update(dataloader.__dict__)
-    if on_position_change is not None:  # told the batch the epoch continues at when the global batch changed
-        resumable.__dict__["_ulysses_on_position_change"] = on_position_change
-    return resumable

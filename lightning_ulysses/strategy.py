@@ -30,13 +30,8 @@ from lightning_ulysses import building, hf, hf_attention, integrity, memory, moe
 from lightning_ulysses.agreement import SPAgreement, sampler_split_error
 from lightning_ulysses.attention import ModuleSelector, find_attention_cores, unwrap_attention_core, wrap_attention_core
 from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo, StepContext
-from lightning_ulysses.data import (
-    StepStateQueue,
-    automatic_batching_off_error,
-    install_accumulation_window,
-    install_sharding_collate,
-    install_step_state,
-)
+from lightning_ulysses.data import automatic_batching_off_error, install_sharding_collate
+from lightning_ulysses.loaders import StepStateQueue, prepare_loader, restore_loader
 from lightning_ulysses.layout import (
     SequenceParallelLayout,
     node_spanning_warning,
@@ -154,6 +149,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self.verify_checkpoints = verify_checkpoints
         self._agreement: Optional[SPAgreement] = None
         self._step_queues: dict[str, StepStateQueue] = {}
+        self._prepared_loaders: list[Any] = []  # given their own collate functions back in teardown
         self._own_model_roots: list[Module] = []
         self._patches = ExitStack()  # process-global patches held while models are prepared (closed in teardown)
         self._step_shift_labels: Optional[torch.Tensor] = None
@@ -650,20 +646,19 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         fingerprint = self._agreement is not None
         dataloader = install_sharding_collate(dataloader, self.sp_size, self.sp_rank, self._pad_token_id(),
                                               fingerprint=fingerprint, ring_size=self.ring_size)
+        self._prepared_loaders.append(dataloader)  # its collate function is given back in teardown
         accumulation = self._context.accumulation if self._context is not None else 1
         trainer = getattr(self.lightning_module, "_trainer", None)
         kind = _loader_kind(trainer)
-        if accumulation > 1 and kind == "train":
-            dataloader = install_accumulation_window(dataloader, accumulation, self._batches_in_epoch)
-        if kind == "train":
-            dataloader = _checkpoint.install_resumable_loader(  # mid-epoch resume at the right batch
-                dataloader, on_position_change=self._continue_epoch_at)
-        queue = self._step_queues.setdefault(kind, StepStateQueue())
         on_exhausted = None
         if self._agreement is not None:
             agreement = self._agreement
             on_exhausted = lambda: agreement.verify_end_of_data(where=f"end of the {kind} data")  # noqa: E731
-        return install_step_state(dataloader, queue, on_exhausted)
+        dataloader = prepare_loader(dataloader, self._step_queues.setdefault(kind, StepStateQueue()),
+                                    train=kind == "train", accumulation=accumulation,
+                                    epoch_batches=self._batches_in_epoch, on_position_change=self._continue_epoch_at,
+                                    on_exhausted=on_exhausted)
+        return dataloader
 
     def _continue_epoch_at(self, batch: int) -> None:
         """A resume with another global batch continues the epoch at ``batch`` of this run's batches: Lightning's
@@ -824,7 +819,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             unwrap_attention_core(core)
         for root in self._own_model_roots:
             calls.remove_call_completion(root)
+        for loader in self._prepared_loaders:
+            restore_loader(loader)
         self._prepared_models, self._wrapped_cores, self._own_model_roots = [], [], []
+        self._prepared_loaders = []
         self._context = None
         self._step_queues = {}
         super().teardown()

@@ -420,7 +420,7 @@ def test_resumable_loader_skips_the_saved_batches_once(workers):
     samples are never read), the next epoch whole; with a persistent worker too (its iterator is reused per epoch)."""
     from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-    from lightning_ulysses.checkpoint import install_resumable_loader
+    from lightning_ulysses.loaders import install_resumable_loader
 
     class Reads(Dataset):
         def __init__(self) -> None:
