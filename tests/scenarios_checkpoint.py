@@ -114,7 +114,7 @@ def _fit(run: dict, root: Path) -> dict[str, Any]:
     strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"], **run.get("strategy", {}))
     trainer = make_trainer(strategy, run.get("max_steps", -1), callbacks=callbacks, max_epochs=run["max_epochs"],
                            enable_checkpointing=bool(run.get("ckpt_every")),
-                           **({"limit_val_batches": None} if run.get("validate") else {}))
+                           **({"limit_val_batches": None} if run.get("validate") else {}), **run.get("trainer", {}))
     if run.get("validate"):  # only validate this checkpoint (of any layout) with this run's layout
         metrics = trainer.validate(module, ckpt_path=str(root / run["validate"]), verbose=False)[0]
         return {"val_loss": metrics["val_loss"]}
