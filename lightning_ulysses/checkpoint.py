@@ -24,7 +24,7 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 from torch import nn
 
@@ -154,6 +154,34 @@ def verify_digests(path: PathLike, names: Optional[list[str]] = None) -> list[st
     path = Path(path)
     files = (read_marker(path) or {}).get("files", {})
     return integrity.mismatches(path, files, sorted(files) if names is None else names)
+
+
+def over_shares(names: list[str], work: Callable[[list[str]], Any], rank: int, world: int) -> list[Any]:
+    """``work(this rank's share of names)`` on every rank in parallel (rank ``r`` takes every world-th name); the
+    results of all ranks, on every rank (one ``all_gather_object``)."""
+    import torch.distributed as dist
+
+    mine = work(integrity.share_of(names, rank, world))
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def hash_files_over_ranks(path: PathLike, rank: int, world: int, broadcast: Callable[[Any], Any]) -> dict[str, str]:
+    """SHA-256 of every file of the checkpoint, each rank hashing its share; the union on every rank. ``broadcast``:
+    rank 0's object to every rank (the strategy's)."""
+    names = broadcast(checkpoint_files(path) if rank == 0 else None)
+    parts = over_shares(names, lambda share: integrity.digests(Path(path), share), rank, world)
+    return {name: digest for part in parts for name, digest in part.items()}
+
+
+def verify_digests_over_ranks(path: PathLike, rank: int, world: int) -> None:
+    """Every rank re-hashes its share of the marker's files; any mismatch raises a ``ValueError`` on every rank."""
+    files = sorted((read_marker(path) or {}).get("files", {}))
+    parts = over_shares(files, lambda share: verify_digests(path, share), rank, world)
+    wrong = [name for part in parts for name in part]
+    if wrong:
+        raise ValueError(f"Cannot resume from this checkpoint: {digest_mismatch_error(path, wrong)}")
 
 
 def digest_mismatch_error(path: PathLike, wrong: list[str]) -> str:

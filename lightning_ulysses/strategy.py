@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_ulysses import calls, generation
 from lightning_ulysses import checkpoint as _checkpoint
-from lightning_ulysses import building, hf, hf_attention, integrity, memory, moe, refusals, resharding
+from lightning_ulysses import building, hf, hf_attention, memory, moe, refusals, resharding
 from lightning_ulysses.agreement import SPAgreement, sampler_split_error
 from lightning_ulysses.attention import ModuleSelector, find_attention_cores, unwrap_attention_core, wrap_attention_core
 from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo, StepContext
@@ -738,7 +738,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             _checkpoint.continue_truncated_epoch(checkpoint, trainer.num_training_batches)
         checkpoint = {**checkpoint, _checkpoint.CLIENT_STATE_KEY: {**record, "hf_models": hf_models}}
         super().save_checkpoint(checkpoint, filepath)  # ends with DeepSpeed's barrier: every rank's files are written
-        digests = self._hash_checkpoint_files(filepath) if self.verify_checkpoints else None
+        digests = (_checkpoint.hash_files_over_ranks(filepath, self.global_rank, self.world_size, self.broadcast)
+                   if self.verify_checkpoints else None)
         if self.is_global_zero:
             _checkpoint.commit_checkpoint(filepath, record, digests)
         self.barrier("ulysses_checkpoint_commit")
@@ -747,20 +748,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def _zero_stage(self) -> int:
         assert isinstance(self.config, dict)
         return int(self.config.get("zero_optimization", {}).get("stage", 0))
-
-    def _over_shares(self, names: list[str], work: Any) -> list[Any]:
-        """``work(my share of names)`` on every rank in parallel (rank ``r`` takes every world-size-th name);
-        the results of all ranks, on every rank."""
-        mine = work(integrity.share_of(names, self.global_rank, self.world_size))
-        everyone: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(everyone, mine)
-        return everyone
-
-    def _hash_checkpoint_files(self, filepath: Any) -> dict[str, str]:
-        """SHA-256 of every file of the checkpoint, each rank hashing its share in parallel; the union on every rank."""
-        names = self.broadcast(_checkpoint.checkpoint_files(filepath) if self.is_global_zero else None)
-        parts = self._over_shares(names, lambda share: integrity.digests(Path(filepath), share))
-        return {name: digest for part in parts for name, digest in part.items()}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -772,7 +759,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             marker = _checkpoint.validate_for_loading(checkpoint_path, self.world_size,
                                                       self._zero_stage if resuming else None)
             if marker is not None and self.verify_checkpoints:
-                self._verify_checkpoint_digests(checkpoint_path)
+                _checkpoint.verify_digests_over_ranks(checkpoint_path, self.global_rank, self.world_size)
             saved = (marker or {}).get("world_size"), (marker or {}).get("zero_stage")
             if None not in saved and saved != (self.world_size, self._zero_stage) and min(saved[1], self._zero_stage) > 0:
                 return self._load_on_another_layout(checkpoint_path, marker, resuming)
@@ -796,14 +783,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             raise ValueError(f"DeepSpeed could not load the model states of {checkpoint_path}.")
         rank_zero_info(f"... loaded in {time.perf_counter() - started:.1f} s.")
         return client_state
-
-    def _verify_checkpoint_digests(self, checkpoint_path: Any) -> None:
-        """Every rank re-hashes its share of the files; any mismatch raises on every rank."""
-        files = sorted((_checkpoint.read_marker(checkpoint_path) or {}).get("files", {}))
-        parts = self._over_shares(files, lambda share: _checkpoint.verify_digests(checkpoint_path, share))
-        wrong = [name for part in parts for name in part]
-        if wrong:
-            raise ValueError(f"Cannot resume from this checkpoint: {_checkpoint.digest_mismatch_error(checkpoint_path, wrong)}")
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
