@@ -3,8 +3,10 @@
 (``sdpa``, ``flash_attention_2/3``, ``flex_attention``) over the whole sequence (causal, sliding windows on global
 positions, packed documents kept apart, ring attention across ring groups), and exchange back.
 
-Nothing process-global is replaced: the functions are *added* under their own names; a prepared model's config
-points at them (:mod:`lightning_ulysses.hf`).
+The functions are *added* under their own names and a prepared model's config points at them
+(:mod:`lightning_ulysses.hf`). One process-global replacement exists: for models whose attention calls
+``torch.nn.functional.scaled_dot_product_attention`` itself (falcon), :mod:`lightning_ulysses.hf` swaps that function
+for the duration of such a module's forward only, and puts it back after.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@
   (a same-size corruption passes a size check: measured, a loss jump of 8.7% or NaN after resuming).
 * **Restricted unpickling.** :func:`restricted_torch_load` makes every ``torch.load`` inside it (ours and DeepSpeed's
   ``zero_to_fp32``) run with ``weights_only=True``, allowing only the classes that DeepSpeed's and Lightning's
-  checkpoint files contain, so a checkpoint from elsewhere cannot run code when it is exported.
+  checkpoint files contain, so a checkpoint from elsewhere cannot run pickled code when it is exported. Export does
+  import the Hugging Face model class whose dotted path the strategy recorded in the checkpoint (a class of an
+  installed package, e.g. ``transformers....LlamaForCausalLM``), as ``from_pretrained`` of a local config would.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The DP×SP layout of the world: one object owns the device mesh, the groups and the ranks; everything else asks it.
+"""The DP×SP layout of the world: one object owns the device meshes (the DP × SP mesh, and with ring attention the
+DP × ring × Ulysses mesh), the groups and the ranks; everything else asks it.
 
 Ranks are laid out with SP innermost: global rank ``r`` sits at ``(dp_rank, sp_rank) = divmod(r, sp_size)``, so the
 ranks ``[k * sp_size, (k + 1) * sp_size)`` form one SP group. With the usual one-process-per-device launch, local ranks
