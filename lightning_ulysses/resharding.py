@@ -44,15 +44,14 @@ def load_on_another_layout(engine: Any, checkpoint: Path, marker: dict[str, Any]
     state (Lightning's checkpoint dict), as ``engine.load_checkpoint`` does."""
     saved_ranks, saved_stage = int(marker["world_size"]), int(marker["zero_stage"])
     current_stage_3 = engine.zero_optimization_partition_weights()
-    check_same_parameters(engine, checkpoint, saved_stage)
     placeholders = saved_stage == 3 and not current_stage_3  # the saved module holds ZeRO-3 placeholders
     saved = _SavedZero3(checkpoint, saved_ranks) if saved_stage == 3 else _SavedZero12(checkpoint, saved_ranks)
+    check_same_parameters(engine, saved, checkpoint)
 
     def consolidated_weights(src: Any, dst: Any) -> None:
-        dst.load_state_dict(_consolidated_weights(saved, checkpoint, saved_stage), strict=strict)
+        dst.load_state_dict(_consolidated_weights(saved, checkpoint), strict=strict)
 
-    with _model_states_of_the_saved_layout(engine, saved_ranks, saved_stage), \
-            _consolidation_from(saved, checkpoint, saved_stage):
+    with _model_states_of_the_saved_layout(engine, saved_ranks, saved_stage), _consolidation_from(saved, checkpoint):
         _, client_state = engine.load_checkpoint(str(checkpoint), load_optimizer_states=False,
                                                  load_lr_scheduler_states=False, load_module_strict=strict,
                                                  custom_load_fn=consolidated_weights if placeholders else None)
@@ -65,16 +64,15 @@ def load_on_another_layout(engine: Any, checkpoint: Path, marker: dict[str, Any]
     return client_state
 
 
-def _consolidated_weights(saved: "_Saved", checkpoint: Path, saved_stage: int) -> dict[str, torch.Tensor]:
+def _consolidated_weights(saved: "_Saved", checkpoint: Path) -> dict[str, torch.Tensor]:
     """The whole model in fp32 (trainable parameters from the saved masters, one at a time; buffers and frozen
     parameters from the saved module), without DeepSpeed's consolidation, which loads every optimizer shard whole."""
-    name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if saved_stage == 3 else "mp_rank_00_model_states.pt"
-    states = _open(Path(checkpoint) / _TAG / name)
-    if saved_stage == 3 and states.get("frozen_param_shapes"):  # partitioned frozen weights: DeepSpeed's way
+    states, partitioned = saved.model_states, isinstance(saved, _SavedZero3)
+    if partitioned and states.get("frozen_param_shapes"):  # partitioned frozen weights: DeepSpeed's way
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=_TAG)
-    weights = {k: v for k, v in states["module"].items() if saved_stage < 3 or k in states.get("buffer_names", [])}
+    weights = {k: v for k, v in states["module"].items() if not partitioned or k in states.get("buffer_names", [])}
     for group in states["param_shapes"]:
         for param, shape in group.items():
             weights[param] = saved.read(param, "", 0, math.prod(shape)).view(shape).clone()
@@ -82,26 +80,24 @@ def _consolidated_weights(saved: "_Saved", checkpoint: Path, saved_stage: int) -
 
 
 @contextmanager
-def _consolidation_from(saved: "_Saved", checkpoint: Path, saved_stage: int) -> Iterator[None]:
+def _consolidation_from(saved: "_Saved", checkpoint: Path) -> Iterator[None]:
     """DeepSpeed's ZeRO-3 engine takes its weights from ``get_fp32_state_dict_from_zero_checkpoint`` when it loads
     without optimizer states; this run's consolidation (:func:`_consolidated_weights`) stands in for it."""
     import deepspeed.runtime.engine as engine_module
 
     original = engine_module.get_fp32_state_dict_from_zero_checkpoint
     engine_module.get_fp32_state_dict_from_zero_checkpoint = \
-        lambda *args, **kwargs: _consolidated_weights(saved, checkpoint, saved_stage)
+        lambda *args, **kwargs: _consolidated_weights(saved, checkpoint)
     try:
         yield
     finally:
         engine_module.get_fp32_state_dict_from_zero_checkpoint = original
 
 
-def check_same_parameters(engine: Any, checkpoint: Path, saved_stage: int) -> None:
+def check_same_parameters(engine: Any, saved_checkpoint: "_Saved", checkpoint: Path) -> None:
     """Refuse, before anything is loaded, a checkpoint whose trainable parameters (names and shapes, as DeepSpeed
     recorded them) are not this model's."""
-    name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if saved_stage == 3 else "mp_rank_00_model_states.pt"
-    saved = {n: tuple(shape) for group in _open(Path(checkpoint) / _TAG / name)["param_shapes"]
-             for n, shape in group.items()}
+    saved = {n: tuple(shape) for group in saved_checkpoint.model_states["param_shapes"] for n, shape in group.items()}
     current = {n: tuple(getattr(p, "ds_shape", p.shape)) for p, n in engine.param_names.items() if p.requires_grad}
     if saved == current:
         return
@@ -183,6 +179,7 @@ class _Saved:
     """What the saved shards hold, read by parameter name: ``read(name, key, lo, hi)`` gives elements ``[lo, hi)``
     of that parameter's fp32 master (``key=""``) or optimizer state ``key``, flattened."""
 
+    model_states: dict[str, Any]  # the saved model-states file (rank 0's at ZeRO 3), memory-mapped
     state_keys: list[str]  # the optimizer states shaped like the masters
     scalars: dict[str, Any]  # the others (the same on every shard)
     param_groups: list[dict[str, Any]]
@@ -207,7 +204,8 @@ class _SavedZero12(_Saved):
             raise ValueError(f"{checkpoint} is an elastic ZeRO checkpoint; only the default (rigid) layout is resharded.")
         if any(any(p) for s in shards for p in s.get("param_alignment_paddings", []) or []):
             raise ValueError(f"{checkpoint} was saved with zero_optimization.parameter_alignment: not resharded.")
-        param_shapes = _open(Path(checkpoint) / _TAG / "mp_rank_00_model_states.pt")["param_shapes"]
+        self.model_states = _open(Path(checkpoint) / _TAG / "mp_rank_00_model_states.pt")
+        param_shapes = self.model_states["param_shapes"]
         first = shards[0]
         self.param_groups = first["base_optimizer_state"]["param_groups"]
         self.global_state = {k: v for k, v in first.items()
@@ -237,7 +235,8 @@ class _SavedZero12(_Saved):
 class _SavedZero3(_Saved):
     def __init__(self, checkpoint: Path, saved_ranks: int) -> None:
         shards = [_open(f)["optimizer_state_dict"] for f in optimizer_shard_files(checkpoint, saved_ranks)]
-        param_shapes = _open(Path(checkpoint) / _TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt")["param_shapes"]
+        self.model_states = _open(Path(checkpoint) / _TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        param_shapes = self.model_states["param_shapes"]
         first = shards[0]
         self.param_groups = first["optimizer_state_dict"]["param_groups"]
         self.global_state = {k: v for k, v in first.items() if k not in ("optimizer_state_dict", "fp32_flat_groups")}
