@@ -57,17 +57,12 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str, ring_size: 
             f" which run on the whole sequence gathered over the SP group; with ring_size={ring_size} the shards are"
             " not contiguous. Use ring_size=1 for this architecture."
         )
-    if ring_size > 1:
-        if impl != "sdpa":
-            raise ValueError(
-                f"{name}: ring_size={ring_size} runs its ring attention with 'sdpa' only (this model:"
-                f" {impl!r}); build the model with attn_implementation='sdpa' or use ring_size=1."
-            )
-        if any(_calls_sdpa_directly(m) for m in model.modules()):
-            raise ValueError(f"{name} computes attention itself (direct SDPA calls): not supported with"
-                             f" ring_size={ring_size}; use ring_size=1.")
+    if ring_size > 1 and any(_calls_sdpa_directly(m) for m in model.modules()):
+        raise ValueError(f"{name} computes attention itself (direct SDPA calls): not supported with"
+                         f" ring_size={ring_size}; use ring_size=1.")
     sp_size = sp_size // ring_size  # the heads are split over the Ulysses ranks only
-    if impl == "flex_attention" and device_type == "cpu":
+    # with ring_size > 1 every implementation runs the ring's own block kernels (ring.block_kernel), not flex's
+    if impl == "flex_attention" and device_type == "cpu" and ring_size == 1:
         raise ValueError(
             f"{name} uses attn_implementation='flex_attention', which has no backward pass on CPU in this PyTorch."
             " Use attn_implementation='sdpa' on CPU (flex_attention works on CUDA)."

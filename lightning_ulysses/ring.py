@@ -11,7 +11,8 @@ Ulysses group is ``ulysses_size`` consecutive ranks, inside a node). Layout of t
 Around attention the Ulysses all-to-all gives each rank its ring rank's ``L`` tokens for ``H/U`` heads. Ring
 attention then passes the key/value blocks around the ring group point to point (``R - 1`` passes forward), and
 each rank attends its queries to every block it sees under the causal (and sliding-window) mask of the global
-positions with a fused kernel that returns the log-sum-exp (CPU: torch's flash-attention-for-CPU op), merging the
+positions with a fused kernel that returns the log-sum-exp (CPU: torch's flash-attention-for-CPU op; CUDA: torch's
+memory-efficient attention op, checked once against the matmul kernel: :func:`block_kernel`), merging the
 blocks' partial results exactly; no rank ever holds more than two K/V blocks. Backward calls the kernel's backward
 per block with the final log-sum-exp and passes the blocks on (``R - 1`` passes, overlapped with compute), their
 key/value gradients following them (``R`` passes, overlapped too), so every block's gradient ends with its owner.
@@ -19,6 +20,7 @@ key/value gradients following them (``R`` passes, overlapped too), so every bloc
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -136,50 +138,161 @@ def _expand_heads(block: torch.Tensor, groups: int, dtype: torch.dtype) -> torch
     return block.to(dtype) if groups == 1 else block.repeat_interleave(groups, dim=1).to(dtype)
 
 
-def _fused_cpu_kernel_applies(q: torch.Tensor) -> bool:
-    """torch's flash-attention-for-CPU op: forward returns the log-sum-exp, and it has a matching backward op."""
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
-            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+def block_kernel(q: torch.Tensor) -> str:
+    """The kernel ring attention runs per block for ``q``'s device and dtype: ``"cpu_flash"`` (torch's
+    flash-attention-for-CPU op and its backward op), ``"cuda_efficient"`` (torch's memory-efficient attention op and
+    its backward op; checked against the matmul kernel once per device and dtype, see :func:`kernel_agrees`), or
+    ``"matmul"`` (plain matmuls: float64 on CUDA, other devices, or where the fused op disagreed)."""
+    if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")):
+        return "cpu_flash"
+    if (q.device.type == "cuda" and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and kernel_agrees("cuda_efficient", q.device, q.dtype)):
+        return "cuda_efficient"
+    return "matmul"
 
 
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Optional[torch.Tensor],
-                   scale: float, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q [B, h, c, D]`` over one key block ``k/v [B, h, c, D]``: ``(out [B, h, c, D] normalised
-    within the block, lse [B, h, c])``, ``lse = -inf`` for queries the block gives nothing."""
-    if fused:
-        additive = None if mask is None else _additive(mask, q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, attn_mask=additive, scale=scale)
-        if mask is not None:  # the op reports lse 0 for a query with no allowed key
-            lse = lse.masked_fill(~mask.any(-1), float("-inf"))  # [c] or [B, 1, c] over [B, h, c]
-        return out, lse
-    scores = (q @ k.transpose(-1, -2)) * scale  # [B, h, c, c]
-    allowed = _causal(q.shape[-2], q.device) if causal else mask
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, h, c]
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(scores - safe[..., None]) @ v, lse
+                   scale: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q [B, h, cq, D]`` over one key block ``k/v [B, h, ck, D]``: ``(out [B, h, cq, D] normalised
+    within the block, lse [B, h, cq])``, ``lse = -inf`` (and ``out = 0``) for queries the block gives nothing.
+    ``causal``: the kernel's own (square) causal mask; ``mask``: ``[cq, ck]`` or ``[B, 1, cq, ck]``, True = attend."""
+    out, lse = _KERNELS[kernel][0](q, k, v, causal, mask, scale)
+    if mask is not None:  # fused ops report lse 0 (or NaN) for a query with no allowed key
+        empty = ~mask.any(-1)  # [cq] or [B, 1, cq], over [B, h, cq]
+        lse = lse.masked_fill(empty, float("-inf"))
+        out = out.masked_fill(empty[..., None], 0.0)
+    return out, lse
 
 
 def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, causal: bool, mask: Optional[torch.Tensor], scale: float,
-                    fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one query block × key block from the *final* output and log-sum-exp of the queries (the
     probabilities ``exp(s - lse)`` are the block's share of the whole softmax): ``(dq, dk, dv)``."""
-    if fused:
-        additive = None if mask is None else _additive(mask, q.dtype)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-            0.0, causal, attn_mask=additive, scale=scale)
+    return _KERNELS[kernel][1](dout, q, k, v, out, lse, causal, mask, scale)
+
+
+def _cpu_flash_forward(q, k, v, causal, mask, scale):
+    additive = None if mask is None else _additive(mask, q.dtype)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, attn_mask=additive, scale=scale)
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, mask, scale):
+    additive = None if mask is None else _additive(mask, q.dtype)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+        0.0, causal, attn_mask=additive, scale=scale)
+
+
+def _aligned_bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``mask`` as the memory-efficient op's additive bias ``[B, h, cq, ck]`` (0 / -inf), rows 16-element aligned
+    the way SDPA pads it (the op refuses unaligned bias strides)."""
+    (B, h, cq, _), ck = q.shape, k.shape[-2]
+    width = -(-ck // 16) * 16
+    bias = torch.zeros((*mask.shape[:-1], width), dtype=q.dtype, device=q.device)
+    bias[..., :ck].masked_fill_(~mask, float("-inf"))
+    return bias[..., :ck].expand(B, h, cq, ck)
+
+
+def _cuda_efficient_forward(q, k, v, causal, mask, scale):
+    bias = None if mask is None else _aligned_bias(mask, q, k)
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), bias, True, 0.0, causal, scale=scale)
+    return out, lse[..., :q.shape[-2]]  # the op pads lse [B, h, ceil(cq/32)·32]
+
+
+def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, mask, scale):
+    bias = None if mask is None else _aligned_bias(mask, q, k)
+    B, h, cq, _ = q.shape
+    padded = torch.zeros((B, h, -(-cq // 32) * 32), dtype=torch.float32, device=q.device)  # the op's lse layout
+    padded[..., :cq] = lse
+    no_dropout = torch.zeros((), dtype=torch.long)  # philox seed and offset: unused without dropout
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), bias, out.contiguous(), padded,
+        no_dropout, no_dropout, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
+
+
+def _matmul_forward(q, k, v, causal, mask, scale):
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, h, cq, ck]
+    allowed = _causal(q.shape[-2], q.device) if causal else mask
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, h, cq]
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - safe[..., None]) @ v, lse
+
+
+def _matmul_backward(dout, q, k, v, out, lse, causal, mask, scale):
     scores = (q @ k.transpose(-1, -2)) * scale
-    probs = torch.exp(scores - lse[..., None])  # [B, h, c, c]
+    probs = torch.exp(scores - lse[..., None])  # [B, h, cq, ck]
     allowed = _causal(q.shape[-2], q.device) if causal else mask
     if allowed is not None:
         probs = probs.masked_fill(~allowed, 0.0)
-    delta = (dout * out).sum(-1, keepdim=True)  # [B, h, c, 1]
+    delta = (dout * out).sum(-1, keepdim=True)  # [B, h, cq, 1]
     dscores = probs * (dout @ v.transpose(-1, -2) - delta)
     return (dscores @ k) * scale, (dscores.transpose(-1, -2) @ q) * scale, probs.transpose(-1, -2) @ dout
+
+
+_KERNELS = {"cpu_flash": (_cpu_flash_forward, _cpu_flash_backward),
+            "cuda_efficient": (_cuda_efficient_forward, _cuda_efficient_backward),
+            "matmul": (_matmul_forward, _matmul_backward)}
+_AGREES: dict[tuple[str, str, torch.dtype], bool] = {}
+_KERNEL_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def kernel_agrees(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``kernel`` gives the matmul kernel's output, log-sum-exp and gradients on ``device`` in ``dtype``
+    (once per process; later calls read the verdict). Checked on a causal block, a full block and a masked block
+    with queries that see nothing (sizes not multiples of the ops' tiles). A fused op that errors or disagrees is not
+    used: a warning says so and ring attention runs the matmul kernel, exact but slower."""
+    key = (kernel, str(torch.device(device)), dtype)
+    if key not in _AGREES:
+        try:
+            error = _kernel_error(kernel, torch.device(device), dtype)
+            agrees, why = error <= _KERNEL_TOLERANCE[dtype], f"relative difference {error:.1e} to the matmul kernel"
+        except Exception as exc:  # an op missing or refusing these shapes on this build
+            agrees, why = False, f"{type(exc).__name__}: {exc}"
+        if not agrees:
+            warnings.warn(f"Ring attention does not use the {kernel!r} kernel on {key[1]} in {dtype} ({why}); it"
+                          " runs the exact matmul kernel instead (slower).", stacklevel=2)
+        _AGREES[key] = agrees
+    return _AGREES[key]
+
+
+def _kernel_error(kernel: str, device: torch.device, dtype: torch.dtype) -> float:
+    """Largest difference of ``kernel`` to the matmul kernel (relative to the largest value) over the block shapes
+    ring attention uses."""
+    g = torch.Generator(device=device).manual_seed(0)
+    B, h, c, D = 2, 2, 40, 16
+    q, k, v, dout = (torch.randn(B, h, c, D, generator=g, device=device).to(dtype) for _ in range(4))
+    pos = torch.arange(c, device=device)
+    late = causal_window_mask(pos, pos + c // 2, 7)  # [c, c]: the first half of the queries sees nothing
+    exact = torch.float64 if dtype == torch.float64 else torch.float32  # the matmul kernel's precision in the ring
+    worst = 0.0
+    for causal, mask in ((True, None), (False, None), (False, late), (False, late[None, None].expand(B, 1, c, c))):
+        want = _block_forward(*(t.to(exact) for t in (q, k, v)), causal, mask, 0.125, "matmul")
+        got = _block_forward(q, k, v, causal, mask, 0.125, kernel)
+        # the queries' final softmax as if another block had given each of them weight (every query of a real ring
+        # sees itself somewhere): finite log-sum-exp everywhere
+        final_lse = torch.logaddexp(want[1], torch.zeros_like(want[1]))
+        final_out = (want[0] * torch.exp(want[1] - final_lse)[..., None]).to(dtype)
+        grads_want = _block_backward(*(t.to(exact) for t in (dout, q, k, v, final_out)), final_lse, causal, mask,
+                                     0.125, "matmul")
+        grads_got = _block_backward(dout, q, k, v, final_out, final_lse, causal, mask, 0.125, kernel)
+        seen = torch.isfinite(want[1])
+        pairs = [(got[0][seen], want[0][seen]), (got[1][seen], want[1][seen]),
+                 (got[1][~seen], want[1][~seen])] + list(zip(grads_got, grads_want))
+        for a, b in pairs:
+            if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+                return float("inf")
+            if a.numel() == 0:
+                continue
+            a, b = a.to(exact).nan_to_num(0.0, 0.0, 0.0), b.to(exact).nan_to_num(0.0, 0.0, 0.0)
+            worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item())
+    return worst
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -203,9 +316,9 @@ def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: tor
 
 class _RingAttention(torch.autograd.Function):
     """Ring attention with point-to-point passing of K/V blocks and an exact log-sum-exp merge. Each sub-block runs
-    a fused kernel that returns its log-sum-exp (CPU: torch's flash-attention-for-CPU op and its backward op; the
-    plain matmul path elsewhere); the backward pass calls the kernel's backward with the queries' final output and
-    log-sum-exp, so nothing is recomputed twice. K/V blocks travel while the current block computes, in forward
+    a fused kernel that returns its log-sum-exp (:func:`block_kernel`: torch's flash-attention-for-CPU op on CPU, its
+    memory-efficient attention op on CUDA, each with its backward op; the plain matmul path elsewhere); the backward
+    pass calls the kernel's backward with the queries' final output and log-sum-exp, so nothing is recomputed twice. K/V blocks travel while the current block computes, in forward
     and in backward; in backward the key/value gradients follow each block around the ring and return to its owner.
     Sub-blocks with nothing to attend to (the zigzag layout makes about half of them) are skipped.
 
@@ -219,8 +332,8 @@ class _RingAttention(torch.autograd.Function):
         B, hq, L, D = q.shape
         groups = hq // k.shape[1]
         c = L // 2
-        fused = _fused_cpu_kernel_applies(q)
-        kernel_dtype = q.dtype if fused else (torch.float64 if q.dtype == torch.float64 else torch.float32)
+        kernel = block_kernel(q)
+        kernel_dtype = q.dtype if kernel != "matmul" else (torch.float64 if q.dtype == torch.float64 else torch.float32)
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         qk = q.to(kernel_dtype)
         q_pos = _zigzag_positions(i, R, c, q.device)
@@ -234,7 +347,7 @@ class _RingAttention(torch.autograd.Function):
             kx, vx = _expand_heads(block_k, groups, kernel_dtype), _expand_heads(block_v, groups, kernel_dtype)
             k_pos = _zigzag_positions(owner, R, c, q.device)
             for qs, ks, causal, mask in _sub_blocks(q_pos, k_pos, c, window, documents):
-                out_b, lse_b = _block_forward(qk[:, :, qs], kx[:, :, ks], vx[:, :, ks], causal, mask, scale, fused)
+                out_b, lse_b = _block_forward(qk[:, :, qs], kx[:, :, ks], vx[:, :, ks], causal, mask, scale, kernel)
                 _merge(acc[:, :, qs], acc_lse[:, :, qs], out_b, lse_b.to(acc_dtype))
             if step + 1 < R:
                 for request in requests:
@@ -242,13 +355,13 @@ class _RingAttention(torch.autograd.Function):
                 block_k, block_v = next_k, next_v
         out = acc.to(kernel_dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.group, ctx.window, ctx.scale, ctx.fused, ctx.documents = group, window, scale, fused, documents
+        ctx.group, ctx.window, ctx.scale, ctx.kernel, ctx.documents = group, window, scale, kernel, documents
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        group, window, scale, fused, documents = ctx.group, ctx.window, ctx.scale, ctx.fused, ctx.documents
+        group, window, scale, kernel, documents = ctx.group, ctx.window, ctx.scale, ctx.kernel, ctx.documents
         R, i = dist.get_world_size(group), dist.get_rank(group)
         B, hq, L, D = q.shape
         hkv = k.shape[1]
@@ -274,7 +387,7 @@ class _RingAttention(torch.autograd.Function):
             k_pos = _zigzag_positions(owner, R, c, q.device)
             for qs, ks, causal, mask in _sub_blocks(q_pos, k_pos, c, window, documents):
                 dq_b, dk_b, dv_b = _block_backward(dout[:, :, qs], qk[:, :, qs], kx[:, :, ks], vx[:, :, ks],
-                                                   out[:, :, qs], lse[:, :, qs], causal, mask, scale, fused)
+                                                   out[:, :, qs], lse[:, :, qs], causal, mask, scale, kernel)
                 dq[:, :, qs] += dq_b
                 dk_x[:, :, ks] += dk_b
                 dv_x[:, :, ks] += dv_b

@@ -20,7 +20,7 @@ def ring_alone(payload: dict) -> dict:
     from lightning_ulysses import ring
     from lightning_ulysses.ring import ring_attention, shard_index
 
-    fused_applies = ring._fused_cpu_kernel_applies
+    block_kernel = ring.block_kernel
 
     dist.init_process_group("gloo")
     R, rank = dist.get_world_size(), dist.get_rank()
@@ -28,7 +28,7 @@ def ring_alone(payload: dict) -> dict:
     for case in payload["cases"]:
         B, Hq, Hkv, S, D, window = case["B"], case["Hq"], case["Hkv"], case["S"], case["D"], case.get("window")
         # the kernel of each block: the fused CPU op (default) or the matmul fallback (other devices)
-        ring._fused_cpu_kernel_applies = fused_applies if case.get("kernel", "fused") == "fused" else (lambda q: False)
+        ring.block_kernel = block_kernel if case.get("kernel", "fused") == "fused" else (lambda q: "matmul")
         dtype = getattr(torch, case.get("dtype", "float64"))
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(B, h, S, D, generator=g, dtype=dtype) for h in (Hq, Hkv, Hkv))
@@ -66,6 +66,6 @@ def ring_alone(payload: dict) -> dict:
             "dv": (vl.grad - vf.grad[:, :, idx]).abs().max().item(),
             "scale": full.abs().max().item(),
         }
-    ring._fused_cpu_kernel_applies = fused_applies
+    ring.block_kernel = block_kernel
     dist.destroy_process_group()
     return results

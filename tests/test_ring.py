@@ -37,6 +37,8 @@ RUNS = {
     "1x4-zero3-mha": _run(3, 4, sp_size=4, ring_size=4),
     "2heads-sp4": _run(2, 2, sp_size=4, ring_size=2, num_heads=2),
     "dp2-ring2": _run(2, 2, sp_size=2, ring_size=2, batch_size=2, num_rows=4 * STEPS),
+    # a model built for flex attention (which has no backward on CPU): with ring the ring's own kernels run it
+    "2x2-zero2-flex": _run(2, 2, sp_size=4, ring_size=2, attn="flex_attention"),
 }
 
 
@@ -85,6 +87,30 @@ def test_ring_attention_alone_is_exact_in_float64(ring_alone, name):
         r = rank[name]
         print(f"[measured] {name}: out {r['out']:.1e}, dq {r['dq']:.1e}, dk {r['dk']:.1e}, dv {r['dv']:.1e}")
         assert max(r["out"], r["dq"], r["dk"], r["dv"]) <= CASES_BY_NAME[name].get("tolerance", 1e-10)
+
+
+def test_fused_block_kernels_are_checked_against_the_matmul_kernel(monkeypatch):
+    """A fused op is used only where it agrees with the matmul kernel (output, log-sum-exp, gradients; causal, full
+    and masked blocks with queries that see nothing): the CPU op agrees; a kernel that is wrong or raises is refused
+    with a warning and ring attention falls back to the matmul kernel. (The same check guards the CUDA op.)"""
+    from lightning_ulysses import ring
+
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        assert ring._kernel_error("cpu_flash", torch.device("cpu"), dtype) <= ring._KERNEL_TOLERANCE[dtype], dtype
+        assert ring.block_kernel(torch.zeros(1, dtype=dtype)) == "cpu_flash"
+    forward, backward = ring._KERNELS["cpu_flash"]
+    broken = {
+        "scaled": (lambda *a: (forward(*a)[0] * 1.001, forward(*a)[1]), backward),  # output off by 0.1%
+        "no_empty_rows": (lambda q, k, v, causal, mask, scale: forward(q, k, v, causal, None, scale), backward),
+        "grads": (forward, lambda *a: tuple(g * 1.001 for g in backward(*a))),
+        "raises": (lambda *a: (_ for _ in ()).throw(RuntimeError("no kernel image")), backward),
+    }
+    for name, pair in broken.items():
+        monkeypatch.setitem(ring._KERNELS, name, pair)
+        with pytest.warns(UserWarning, match="runs the exact matmul kernel"):
+            assert not ring.kernel_agrees(name, torch.device("cpu"), torch.float32), name
+        assert not ring.kernel_agrees(name, torch.device("cpu"), torch.float32)  # decided once
+    assert ring.kernel_agrees("cpu_flash", torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
