@@ -6,14 +6,20 @@ import importlib.util
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.launcher import launch
-from tests.test_parity import STEPS, _run, check_against_reference
+from tests.test_parity import STEPS, _run, check_against_reference, rel_diff
 
 GPUS = torch.cuda.device_count()
 ONE_GPU = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
 TWO_GPUS = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs (nccl cannot share one GPU between ranks)")
-ATTENTION = ["sdpa"] + (["flash_attention_2"] if importlib.util.find_spec("flash_attn") else [])
+HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
+ATTENTION = ["sdpa"] + (["flash_attention_2"] if HAS_FLASH else [])
+FLASH = pytest.mark.skipif(GPUS < 1 or not HAS_FLASH, reason="needs a CUDA GPU and flash-attn (scripts/gpu_check.sh"
+                           " installs a prebuilt wheel when one exists); CPU path: tests/test_windows.py (sdpa per"
+                           " document)")
+CUDA = {"DS_ACCELERATOR": "cuda"}
 
 
 @TWO_GPUS
@@ -36,30 +42,192 @@ def test_sp2_on_cuda_matches_single_device(attn):
 @TWO_GPUS
 @pytest.mark.parametrize("stage", [2, 3])
 def test_ring_on_cuda_matches_single_device(stage):
-    """Ring 2 × Ulysses 1 on 2 GPUs (nccl point-to-point passes, the matmul block kernel). CPU path:
-    tests/test_ring.py."""
+    """Ring 2 × Ulysses 1 on 2 GPUs (nccl point-to-point passes, the memory-efficient block kernel), for models built
+    for sdpa and for flex attention. CPU path: tests/test_ring.py."""
     run = _run(stage, 2, sp_size=2, batch_size=1, num_rows=STEPS, strategy={"ring_size": 2},
                trainer={"accelerator": "cuda", "precision": "32-true"})
-    results = launch(2, "parity", {"runs": [run]}, extra_env={"DS_ACCELERATOR": "cuda"})
+    flex = dict(run, attn="flex_attention")
+    results = launch(2, "parity", {"runs": [run, flex]}, extra_env=CUDA)
+    for index, case in enumerate((run, flex)):
+        check_against_reference(case, [r["runs"][index] for r in results], global_batch=1)
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("feature", ["tiled-mlp", "tiled-loss", "offload-checkpoints", "all"])
+def test_memory_features_on_cuda_match_single_device(feature):
+    """Tiled MLP, tiled logits + loss, and checkpoint offload to pinned host memory (the copies are asynchronous on
+    CUDA) at ZeRO 3. CPU path: tests/test_memory_features.py."""
+    from tests.test_memory_features import FEATURES
+
+    run = _run(3, 2, sp_size=2, batch_size=1, num_rows=STEPS, strategy=FEATURES[feature],
+               trainer={"accelerator": "cuda", "precision": "32-true"})
+    results = launch(2, "parity", {"runs": [run]}, extra_env=CUDA)
     check_against_reference(run, [r["runs"][0] for r in results], global_batch=1)
 
 
+@TWO_GPUS
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_on_cuda_trains_like_fp32_within_bf16_rounding(precision):
+    """bf16 under SP: the SP peers report the same loss, and the losses follow the fp32 single-device run within
+    bf16 rounding (2e-2 relative; an exchange on the wrong heads or positions is off by far more). CPU path:
+    tests/test_resume_layouts.py (bf16-true ZeRO 2)."""
+    from tests.models import TokenDataset, tiny_llama_config, train_single_device
+    from tests.test_parity import LR, SEQ_LEN
+
+    run = _run(2, 2, sp_size=2, batch_size=1, num_rows=STEPS,
+               trainer={"accelerator": "cuda", "precision": precision})
+    results = launch(2, "parity", {"runs": [run]}, extra_env=CUDA)
+    losses = [r["runs"][0]["losses"] for r in results]
+    assert losses[0] == losses[1]
+    reference = train_single_device(tiny_llama_config(num_kv_heads=2), TokenDataset(STEPS, SEQ_LEN), 1, STEPS, LR)
+    assert rel_diff(losses[0], reference["losses"]) <= 2e-2, (losses[0], reference["losses"])
+
+
+@TWO_GPUS
+def test_from_pretrained_in_configure_model_at_zero3_on_cuda(tmp_path):
+    """``from_pretrained`` inside ``configure_model`` at ZeRO 3 on GPUs: the file's weights, then the plain
+    process's training. CPU path: tests/test_finetune.py."""
+    from tests.models import build_llama, tiny_llama_config
+    from tests.test_finetune import Rows, check_training, file_weights
+
+    build_llama(tiny_llama_config(num_kv_heads=2), init_seed=3).save_pretrained(tmp_path)
+    case = {"spec": {"path": str(tmp_path)}, "dataset": Rows(STEPS), "stage": 3,
+            "trainer": {"accelerator": "cuda", "precision": "32-true"}}
+    results = launch(2, "tests.scenarios_finetune:finetune", {"cases": {"pretrained": case}}, extra_env=CUDA)
+    result = results[0]["pretrained"]
+    assert "error" not in result, result.get("error")
+    for name, tensor in file_weights(str(tmp_path)).items():
+        assert torch.equal(result["initial"][name].cpu(), tensor), name
+    check_training(result, case)
+
+
+HYBRID_KERNELS = [name for name in ("fla", "mamba_ssm", "causal_conv1d") if importlib.util.find_spec(name)]
+
+
+@TWO_GPUS
+@pytest.mark.skipif(not HYBRID_KERNELS, reason="none of fla, mamba_ssm, causal_conv1d is installed; CPU path:"
+                    " tests/test_mixers.py (transformers' torch fallbacks)")
+@pytest.mark.parametrize("arch", ["qwen3_next", "bamba", "lfm2", "mamba"])
+def test_hybrid_families_on_cuda_with_their_kernels(arch):
+    """The hybrid families on GPUs, with whatever CUDA kernels are installed, against one device's torch fallbacks:
+    losses within 1e-3 (the kernels' own chunked arithmetic differs from the fallbacks') and equal on both SP
+    ranks. CPU path: tests/test_mixers.py (exact)."""
+    from tests.test_steps import train_reference
+
+    case = {"name": f"{arch}-cuda", "arch": arch, "step": "model_loss", "stage": 2, "reference": "model_loss",
+            "trainer": {"accelerator": "cuda", "precision": "32-true"}}
+    by_rank = launch(2, "tests.scenarios_steps:run", {"cases": [case]}, extra_env=CUDA, timeout=900)
+    ranks = [r[case["name"]] for r in by_rank]
+    assert ranks[0]["error_type"] is None, ranks[0]["message"]
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    reference = train_reference(case)
+    assert rel_diff(ranks[0]["losses"], reference["losses"]) <= 1e-3, (ranks[0]["losses"], reference["losses"])
+
+
+# ---------------------------------------------------------------------------------------------- one GPU, one process
+def _packed_inputs(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, 48, 64, device="cuda", generator=g, dtype=dtype) for h in (4, 2, 2))
+    cu_seqlens = torch.tensor([0, 13, 14, 40, 48], dtype=torch.int32, device="cuda")  # documents of 13, 1, 26, 8
+    documents = torch.repeat_interleave(torch.arange(4, device="cuda"), cu_seqlens.diff())
+    return q, k, v, cu_seqlens, documents
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 2
+    is_causal = True
+    training = True
+
+
+def _dense_reference(q, k, v, window, documents):
+    """Dense attention with the window and document masks: [B, h, L, D] -> [B, L, hq, D]."""
+    L = q.shape[2]
+    pos = torch.arange(L, device=q.device)
+    allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - (window or L + 1))
+    allowed &= documents[:, None] == documents[None, :]
+    k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)
+
+
+def _attend_and_grads(fn, q, k, v, dout):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout)
+    return [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
+
+
+@FLASH
+@pytest.mark.parametrize("window", [None, 6])
+def test_flash_varlen_keeps_packed_documents_apart(window):
+    """flash_attention_2's varlen path on packed rows (documents from ``cu_seqlens``, the layer's window passed
+    through): output and q/k/v gradients equal dense attention with the document (and window) mask, bf16."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from lightning_ulysses.context import ShardInfo
+    from lightning_ulysses.hf_attention import _attend_documents
+
+    q, k, v, cu_seqlens, documents = _packed_inputs(torch.bfloat16)
+    shard = ShardInfo(48, cu_seqlens, 26)
+    kwargs = {"sliding_window": window} if window else {}
+    dout = torch.randn(1, 48, 4, 64, device="cuda", dtype=torch.bfloat16)
+    got = _attend_and_grads(lambda a, b, c: _attend_documents(
+        "flash_attention_2", ALL_ATTENTION_FUNCTIONS["flash_attention_2"], _Attention(), a, b, c, shard,
+        dict(kwargs), window), q, k, v, dout)
+    want = _attend_and_grads(lambda a, b, c: _dense_reference(a.float(), b.float(), c.float(), window, documents),
+                             q, k, v, dout)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max()
+
+
 @ONE_GPU
+@pytest.mark.parametrize("window", [None, 6])
+def test_flex_document_and_window_masks(window):
+    """flex_attention with the strategy's block masks on packed rows and on one sequence (window on global
+    positions): output and q/k/v gradients equal dense attention with the same masks. CPU path:
+    tests/test_windows.py (the same structure with sdpa)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from lightning_ulysses.context import ShardInfo
+    from lightning_ulysses.hf_attention import _attend_documents, _flex_block_mask
+
+    q, k, v, cu_seqlens, documents = _packed_inputs(torch.float32)
+    flex = ALL_ATTENTION_FUNCTIONS["flex_attention"]
+    dout = torch.randn(1, 48, 4, 64, device="cuda")
+    packed = _attend_and_grads(lambda a, b, c: _attend_documents(
+        "flex_attention", flex, _Attention(), a, b, c, ShardInfo(48, cu_seqlens, 26), {}, window), q, k, v, dout)
+    want = _attend_and_grads(lambda a, b, c: _dense_reference(a, b, c, window, documents), q, k, v, dout)
+    one_sequence = _attend_and_grads(lambda a, b, c: flex(_Attention(), a, b, c,
+                                                          _flex_block_mask(48, q.device, None, window))[0],
+                                     q, k, v, dout)
+    want_one = _attend_and_grads(lambda a, b, c: _dense_reference(a, b, c, window, torch.zeros_like(documents)),
+                                 q, k, v, dout)
+    for a, b in list(zip(packed, want)) + list(zip(one_sequence, want_one)):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+@ONE_GPU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_ring_block_kernel_on_cuda_matches_sdpa(window):
-    """One query block against one key block on the GPU (the kernel ring attention runs per block there): output and
-    q/k/v gradients from the final log-sum-exp equal SDPA's. CPU path: tests/test_ring.py (fused and matmul)."""
-    from lightning_ulysses.ring import _block_backward, _block_forward, causal_window_mask
+def test_ring_block_kernels_on_cuda_match_sdpa(dtype, window):
+    """One query block against one key block on the GPU (what ring attention runs per block): the kernel chosen on
+    CUDA is torch's memory-efficient op (it agreed with the matmul kernel), and both it and the matmul fallback give
+    SDPA's output and q/k/v gradients from the final log-sum-exp. CPU path: tests/test_ring.py (fused and matmul)."""
+    from lightning_ulysses.ring import _block_backward, _block_forward, block_kernel, causal_window_mask
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 64, 16, device="cuda", generator=g) for _ in range(3))
-    pos = torch.arange(64, device="cuda")
+    q, k, v = (torch.randn(2, 4, 72, 16, device="cuda", generator=g, dtype=dtype) for _ in range(3))
+    assert block_kernel(q) == "cuda_efficient"
+    pos = torch.arange(72, device="cuda")
     mask = causal_window_mask(pos, pos, window)
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=0.25)
+    qr, kr, vr = (t.float().clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=0.25)
     dout = torch.randn_like(ref)
     ref.backward(dout)
-    out, lse = _block_forward(q, k, v, False, mask, 0.25, fused=False)
-    dq, dk, dv = _block_backward(dout, q, k, v, out, lse, False, mask, 0.25, fused=False)
-    for got, want in ((out, ref), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
-        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    for kernel in ("cuda_efficient", "matmul"):
+        kd = dtype if kernel != "matmul" else torch.float32
+        out, lse = _block_forward(q.to(kd), k.to(kd), v.to(kd), False, mask, 0.25, kernel)
+        dq, dk, dv = _block_backward(dout.to(kd), q.to(kd), k.to(kd), v.to(kd), out, lse.float(), False, mask, 0.25,
+                                     kernel)
+        for got, want in ((out, ref), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+            assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), kernel
