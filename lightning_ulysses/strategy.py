@@ -257,8 +257,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                 f"UlyssesDeepSpeedStrategy(sp_size={self.sp_size}) found no Hugging Face PreTrainedModel and no"
                 " attention core in the LightningModule, so there is no attention to run over the whole sequence:"
                 " each rank would attend only within its own shard and train a different model. Declare your"
-                " attention cores with `attention_modules=[...]` (classes or name patterns; see the README, 'Your"
-                " own model'), mark them with `ulysses_attention_core = True`, or use `sp_size=1`."
+                " attention cores with `attention_modules=[...]` (classes or name patterns; see"
+                " docs/data-and-training-step.md, 'Your own model'), mark them with `ulysses_attention_core = True`, or use `sp_size=1`."
             )
         for model in models:
             refusals.validate_model(model, self.sp_size, self.root_device.type, self.ring_size)

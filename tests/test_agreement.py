@@ -2,7 +2,7 @@
 (no hang); user hooks cannot drop the step state; the loss value is bitwise the same on every rank.
 
 One launch of 2 real gloo processes (sp_size=2) runs every case through ``trainer.fit``
-(``tests/scenarios_agreement.py``).
+(``tests/scenarios/agreement.py``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launcher import launch
+from tests.support.launcher import launch
 
 CASES = [
     {"name": "baseline"},
@@ -39,7 +39,7 @@ WITHIN_SECONDS = 60  # a hang would last until gloo's 30-minute timeout (the lau
 
 @pytest.fixture(scope="module")
 def results():
-    by_rank = launch(2, "tests.scenarios_agreement:run", {"cases": CASES}, timeout=900)
+    by_rank = launch(2, "agreement:run", {"cases": CASES}, timeout=900)
     return {case["name"]: [r[case["name"]] for r in by_rank] for case in CASES}
 
 

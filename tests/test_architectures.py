@@ -1,4 +1,4 @@
-"""The architecture matrix: every tiny architecture of ``tests/architectures.py`` either trains at SP=2 exactly like
+"""The architecture matrix: every tiny architecture of ``tests/support/architectures.py`` either trains at SP=2 exactly like
 a plain single process (per-step losses within 1e-5, every parameter's weight update within 1e-4, relative) or
 stops with a clear error before compute. One launch of 2 gloo processes runs them all."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.architectures import ARCHITECTURES, train_plain
-from tests.launcher import launch
+from tests.support.architectures import ARCHITECTURES, train_plain
+from tests.support.launcher import launch
 
 STEPS, LR = 3, 0.5
 LOSS_TOL, UPDATE_TOL = 1e-5, 1e-4
@@ -18,7 +18,7 @@ REFUSED = [n for n, e in ARCHITECTURES.items() if "expect" in e]
 
 @pytest.fixture(scope="module")
 def results():
-    by_rank = launch(2, "tests.scenarios_architectures:run",
+    by_rank = launch(2, "architectures:run",
                      {"names": list(ARCHITECTURES), "steps": STEPS, "lr": LR}, timeout=900)
     return {name: [r[name] for r in by_rank] for name in ARCHITECTURES}
 

@@ -23,9 +23,9 @@ from lightning_ulysses import (
     find_last_complete_checkpoint,
 )
 from lightning_ulysses.checkpoint import MARKER, validate_for_loading
-from tests.launcher import launch
-from tests.models import SEED, build_llama, tiny_llama_config
-from tests.scenarios_checkpoint import KV_HEADS, LR, LR_GAMMA, LR_STEP, MOMENTUM, RowDataset, predict_inputs
+from tests.support.launcher import launch
+from tests.support.models import SEED, build_llama, tiny_llama_config
+from tests.scenarios.checkpoints import KV_HEADS, LR, LR_GAMMA, LR_STEP, MOMENTUM, RowDataset, predict_inputs
 
 ROWS, SEQ_LEN, EPOCHS = 6, 16, 2
 STEPS = ROWS * EPOCHS  # batch 1, dp 1: 6 steps per epoch
@@ -56,7 +56,7 @@ def killed(root):
     middle of epoch 1): rank 0 has written its files and DeepSpeed's ``latest``, rank 1's shard is missing."""
     victim = _full(2, "killed", kill_rank=1, kill_at_save=2)
     with pytest.raises(RuntimeError) as failure:
-        launch(2, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": {"victim": victim}})
+        launch(2, "checkpoints:fits", {"root": str(root), "runs": {"victim": victim}})
     return {"log": str(failure.value), "dir": root / "killed"}
 
 
@@ -78,7 +78,7 @@ def zero2(root, killed):
         "partial": _resume(2, "killed/step=8.ckpt", may_fail=True),
         "other_batch": {**SP2_B2, "stage": 2, "resume": "z2/step=4.ckpt"},
     }
-    return launch(2, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": runs})
+    return launch(2, "checkpoints:fits", {"root": str(root), "runs": runs})
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def zero3(root):
         "z3_dp2_full": {**DP2, "stage": 3, "ckpt_every": 2, "ckpt_dir": "z3_dp2"},
         "z3_sp2_from_dp2": {**SP2_B2, "stage": 3, "resume": "z3_dp2/step=4.ckpt"},
     }
-    return launch(2, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": runs})
+    return launch(2, "checkpoints:fits", {"root": str(root), "runs": runs})
 
 
 def rel_diff(actual, expected) -> float:
@@ -307,7 +307,7 @@ def test_export_zero2_state_dict_loads_into_the_lightning_module(zero2, root, tm
           f" max abs {(logits - sp_logits).abs().max().item():.2e}")
     assert rel_diff(logits, sp_logits) <= 1e-5
     # Lightning loads the exported file as an ordinary checkpoint.
-    from tests.scenarios_checkpoint import MomentumLM
+    from tests.scenarios.checkpoints import MomentumLM
 
     loaded = MomentumLM.load_from_checkpoint(exported["state_dict"], config=tiny_llama_config(num_kv_heads=KV_HEADS),
                                              map_location="cpu")
@@ -348,7 +348,7 @@ def tampered(root, zero2):
         "optim_flip": _resume(2, "tampered/optim_flip.ckpt", may_fail=True),
         "stage_change": _resume(0, "z2/step=4.ckpt", may_fail=True),
     }
-    return launch(2, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": runs})
+    return launch(2, "checkpoints:fits", {"root": str(root), "runs": runs})
 
 
 def test_checkpoint_marker_records_every_files_sha256(zero2, root):

@@ -3,13 +3,12 @@ with its type, and real training with SP=2 started by Lightning's own launcher (
 script for rank 1).
 
 Parsing runs in this process (the CLI builds the Trainer with ``run=False``); training runs the example script as a
-user would, with ``tests.scenarios_launch.LaunchReport`` added through ``--trainer.callbacks+=`` to report per rank.
+user would, with ``tests.scenarios.launchers.LaunchReport`` added through ``--trainer.callbacks+=`` to report per rank.
 """
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import inspect
 import json
 import os
@@ -25,7 +24,7 @@ pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[sign
 from lightning.pytorch.strategies import DeepSpeedStrategy  # noqa: E402
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy  # noqa: E402
-from tests.launcher import REPO_ROOT  # noqa: E402
+from tests.support.launcher import REPO_ROOT  # noqa: E402
 from tests.test_launchers import clean_env  # noqa: E402
 
 CLI_SCRIPT = REPO_ROOT / "examples" / "cli" / "train.py"
@@ -45,10 +44,9 @@ TINY = ["--trainer.max_steps=3", "--trainer.enable_progress_bar=false", "--train
 
 @pytest.fixture(scope="module")
 def cli_module():
-    spec = importlib.util.spec_from_file_location("ulysses_cli_example", CLI_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import examples.cli.train
+
+    return examples.cli.train
 
 
 @pytest.fixture
@@ -107,7 +105,7 @@ def test_registry_name_alone_and_its_limit(cli_module, restore_environ, capsys):
     assert strategy.config["zero_optimization"]["stage"] == 3
     assert strategy.sp_size == 2  # sp_size=None: all devices of the node
     # Documented in the README: jsonargparse resolves `--trainer.strategy.<arg>` only for a class, not for a
-    # registry name. If this starts to work, update the README's Lightning CLI section.
+    # registry name. If this starts to work, update the Lightning CLI section of docs/launching.md.
     with pytest.raises(SystemExit):
         build(cli_module, ["--trainer.strategy=ulysses_deepspeed", "--trainer.strategy.sp_size=2"])
     assert "Does not validate against any of the Union subtypes" in capsys.readouterr().err
@@ -147,7 +145,7 @@ def test_strategy_help_shows_every_argument_with_its_type(cli_module, restore_en
 # ----------------------------------------------------------------------------------------------- training
 def run_cli(args: list[str], cwd: Path, report_dir: Path) -> list[dict]:
     """``python examples/cli/train.py fit ARGS`` as one process: Lightning starts the second one itself."""
-    cmd = [sys.executable, str(CLI_SCRIPT), "fit", *args, "--trainer.callbacks+=tests.scenarios_launch.LaunchReport",
+    cmd = [sys.executable, str(CLI_SCRIPT), "fit", *args, "--trainer.callbacks+=tests.scenarios.launchers.LaunchReport",
            f"--trainer.callbacks.out_dir={report_dir}"]
     proc = subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:

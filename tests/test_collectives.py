@@ -4,14 +4,14 @@ one all-reduce per step for the loss (sum and token count of the SP group)."""
 
 import pytest
 
-from tests.launcher import launch
+from tests.support.launcher import launch
 
 LAYERS = (2, 3)
 
 
 @pytest.fixture(scope="module")
 def counts():
-    results = launch(2, "collectives", {"layers": list(LAYERS), "kv_heads": 2, "stage": 2})
+    results = launch(2, "collectives:run", {"layers": list(LAYERS), "kv_heads": 2, "stage": 2})
     assert results[0] == results[1]
     return results[0]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.launcher import launch
+from tests.support.launcher import launch
 from tests.test_parity import STEPS, _run, check_against_reference, rel_diff
 
 GPUS = torch.cuda.device_count()
@@ -30,7 +30,7 @@ def test_sp2_on_cuda_matches_single_device(attn):
     precision = "bf16-true" if attn.startswith("flash") else "32-true"
     run = _run(2, 2, sp_size=2, batch_size=1, num_rows=STEPS, attn=attn,
                trainer={"accelerator": "cuda", "precision": precision})
-    results = launch(2, "parity", {"runs": [run]}, extra_env={"DS_ACCELERATOR": "cuda"})
+    results = launch(2, "parity:run", {"runs": [run]}, extra_env={"DS_ACCELERATOR": "cuda"})
     if attn == "sdpa":
         check_against_reference(dict(run, attn="sdpa"), [r["runs"][0] for r in results], global_batch=1)
     else:
@@ -47,7 +47,7 @@ def test_ring_on_cuda_matches_single_device(stage):
     run = _run(stage, 2, sp_size=2, batch_size=1, num_rows=STEPS, strategy={"ring_size": 2},
                trainer={"accelerator": "cuda", "precision": "32-true"})
     flex = dict(run, attn="flex_attention")
-    results = launch(2, "parity", {"runs": [run, flex]}, extra_env=CUDA)
+    results = launch(2, "parity:run", {"runs": [run, flex]}, extra_env=CUDA)
     for index, case in enumerate((run, flex)):
         check_against_reference(case, [r["runs"][index] for r in results], global_batch=1)
 
@@ -61,7 +61,7 @@ def test_memory_features_on_cuda_match_single_device(feature):
 
     run = _run(3, 2, sp_size=2, batch_size=1, num_rows=STEPS, strategy=FEATURES[feature],
                trainer={"accelerator": "cuda", "precision": "32-true"})
-    results = launch(2, "parity", {"runs": [run]}, extra_env=CUDA)
+    results = launch(2, "parity:run", {"runs": [run]}, extra_env=CUDA)
     check_against_reference(run, [r["runs"][0] for r in results], global_batch=1)
 
 
@@ -71,12 +71,12 @@ def test_bf16_on_cuda_trains_like_fp32_within_bf16_rounding(precision):
     """bf16 under SP: the SP peers report the same loss, and the losses follow the fp32 single-device run within
     bf16 rounding (2e-2 relative; an exchange on the wrong heads or positions is off by far more). CPU path:
     tests/test_resume_layouts.py (bf16-true ZeRO 2)."""
-    from tests.models import TokenDataset, tiny_llama_config, train_single_device
+    from tests.support.models import TokenDataset, tiny_llama_config, train_single_device
     from tests.test_parity import LR, SEQ_LEN
 
     run = _run(2, 2, sp_size=2, batch_size=1, num_rows=STEPS,
                trainer={"accelerator": "cuda", "precision": precision})
-    results = launch(2, "parity", {"runs": [run]}, extra_env=CUDA)
+    results = launch(2, "parity:run", {"runs": [run]}, extra_env=CUDA)
     losses = [r["runs"][0]["losses"] for r in results]
     assert losses[0] == losses[1]
     reference = train_single_device(tiny_llama_config(num_kv_heads=2), TokenDataset(STEPS, SEQ_LEN), 1, STEPS, LR)
@@ -87,13 +87,13 @@ def test_bf16_on_cuda_trains_like_fp32_within_bf16_rounding(precision):
 def test_from_pretrained_in_configure_model_at_zero3_on_cuda(tmp_path):
     """``from_pretrained`` inside ``configure_model`` at ZeRO 3 on GPUs: the file's weights, then the plain
     process's training. CPU path: tests/test_finetune.py."""
-    from tests.models import build_llama, tiny_llama_config
+    from tests.support.models import build_llama, tiny_llama_config
     from tests.test_finetune import Rows, check_training, file_weights
 
     build_llama(tiny_llama_config(num_kv_heads=2), init_seed=3).save_pretrained(tmp_path)
     case = {"spec": {"path": str(tmp_path)}, "dataset": Rows(STEPS), "stage": 3,
             "trainer": {"accelerator": "cuda", "precision": "32-true"}}
-    results = launch(2, "tests.scenarios_finetune:finetune", {"cases": {"pretrained": case}}, extra_env=CUDA)
+    results = launch(2, "finetune:finetune", {"cases": {"pretrained": case}}, extra_env=CUDA)
     result = results[0]["pretrained"]
     assert "error" not in result, result.get("error")
     for name, tensor in file_weights(str(tmp_path)).items():
@@ -116,7 +116,7 @@ def test_hybrid_families_on_cuda_with_their_kernels(arch):
 
     case = {"name": f"{arch}-cuda", "arch": arch, "step": "model_loss", "stage": 2, "reference": "model_loss",
             "trainer": {"accelerator": "cuda", "precision": "32-true"}}
-    by_rank = launch(2, "tests.scenarios_steps:run", {"cases": [case]}, extra_env=CUDA, timeout=900)
+    by_rank = launch(2, "steps:run", {"cases": [case]}, extra_env=CUDA, timeout=900)
     ranks = [r[case["name"]] for r in by_rank]
     assert ranks[0]["error_type"] is None, ranks[0]["message"]
     assert ranks[0]["losses"] == ranks[1]["losses"]

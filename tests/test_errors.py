@@ -10,8 +10,8 @@ import pytest
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy, refusals
 from lightning_ulysses.layout import validate_sp_size
-from tests.launcher import launch
-from tests.models import build_llama, tiny_llama_config
+from tests.support.launcher import launch
+from tests.support.models import build_llama, tiny_llama_config
 
 
 # ----------------------------------------------------------------------------------------------- sp_size vs world
@@ -145,7 +145,7 @@ EXPECTED_ERRORS = {
 @pytest.fixture(scope="module")
 def trainer_results():
     cases = [{"name": name, "sp_size": sp, "config": config} for name, sp, config in CASES]
-    return launch(2, "tests.scenarios_errors:run", {"cases": cases}, timeout=300)
+    return launch(2, "errors:run", {"cases": cases}, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(EXPECTED_ERRORS))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launcher import launch
-from tests.models import VOCAB, build_llama, lightning_order, pad_right_collate, tiny_llama_config
+from tests.support.launcher import launch
+from tests.support.models import VOCAB, build_llama, lightning_order, pad_right_collate, tiny_llama_config
 from tests.test_parity import rel_diff, update_rel_diff
 
 pytest.importorskip("peft", reason="peft is in the test extra: pip install -e '.[test]'")
@@ -89,12 +89,12 @@ def cases(path: str, save_dir: str = "") -> dict:
 def results(pretrained_dir, tmp_path_factory):
     checkpoint_dir = str(tmp_path_factory.mktemp("checkpoints"))
     payload = {
-        "finetune": ["tests.scenarios_finetune:finetune", {"cases": cases(pretrained_dir, checkpoint_dir)}],
-        "evaluate": ["tests.scenarios_finetune:evaluate_from_checkpoint",
+        "finetune": ["finetune:finetune", {"cases": cases(pretrained_dir, checkpoint_dir)}],
+        "evaluate": ["finetune:evaluate_from_checkpoint",
                      {"stages": EVAL_STAGES, "spec": {"path": pretrained_dir}, "dataset": Rows(2),
                       "dirpath": checkpoint_dir, "epochs": 2}],
     }
-    results = launch(2, "combined", payload)
+    results = launch(2, "combined:run", payload)
     results[0]["checkpoint_dir"] = checkpoint_dir
     return results
 
@@ -102,7 +102,7 @@ def results(pretrained_dir, tmp_path_factory):
 # ----------------------------------------------------------------------------------------------- references
 def build_reference(spec: dict, initial: dict | None = None):
     """The same model in a plain process, built by the same calls; ``initial`` overrides its starting weights."""
-    from tests.scenarios_finetune import build_hf_model
+    from tests.scenarios.finetune import build_hf_model
 
     model = build_hf_model({k: v for k, v in spec.items() if k != "gradient_checkpointing"})
     if initial is not None:
@@ -307,7 +307,7 @@ def test_validate_test_predict_from_checkpoints_give_the_plain_numbers(results, 
 
 
 def _epoch_order(num_rows: int, epoch: int) -> list[int]:
-    from tests.models import SEED
+    from tests.support.models import SEED
 
     g = torch.Generator().manual_seed(SEED + epoch)  # DistributedSampler: seed + epoch
     return torch.randperm(num_rows, generator=g).tolist()

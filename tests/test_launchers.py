@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from lightning_ulysses.layout import node_spanning_warning, sp_groups_span_nodes
-from tests.launcher import REPO_ROOT, launch
+from tests.support.launcher import REPO_ROOT, launch
 from tests.test_parity import SEQ_LEN, STEPS, _run, check_against_reference
 
 NODES, TASKS_PER_NODE = 2, 2
@@ -104,7 +104,7 @@ def test_node_spanning_warning_names_the_group_and_the_fix():
 @pytest.fixture(scope="module")
 def slurm_results():
     job, tasks = slurm_env(NODES, TASKS_PER_NODE)
-    ranks = launch(NODES * TASKS_PER_NODE, "tests.scenarios_launch:fit_runs", {"runs": SLURM_RUNS},
+    ranks = launch(NODES * TASKS_PER_NODE, "launchers:fit_runs", {"runs": SLURM_RUNS},
                    extra_env=job, per_rank_env=tasks)
     return [[rank["runs"][i] for rank in ranks] for i in range(len(SLURM_RUNS))]
 
@@ -158,7 +158,7 @@ def torchrun_results():
         payload = Path(tmp) / "payload.pkl"
         payload.write_bytes(pickle.dumps({"runs": [TORCHRUN_RUN]}))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "tests.scenarios_launch", str(payload), tmp]
+               "-m", "tests.scenarios.launchers", str(payload), tmp]
         proc = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")

@@ -4,8 +4,8 @@ fit in the same process, at ZeRO 2 and 3; the model is a plain Hugging Face mode
 import pytest
 import torch
 
-from tests.launcher import launch
-from tests.models import TokenDataset, build_llama, tiny_llama_config, train_single_device
+from tests.support.launcher import launch
+from tests.support.models import TokenDataset, build_llama, tiny_llama_config, train_single_device
 
 NUM_ROWS, SEQ_LEN, BATCH = 5, 32, 2  # batches of 2, 2 and 1 rows
 STEPS = 3
@@ -13,7 +13,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
 def lifecycle(request):
-    return launch(2, "lifecycle", {"stage": request.param, "num_rows": NUM_ROWS, "seq_len": SEQ_LEN,
+    return launch(2, "lifecycle:run", {"stage": request.param, "num_rows": NUM_ROWS, "seq_len": SEQ_LEN,
                                    "batch_size": BATCH})
 
 

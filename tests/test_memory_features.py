@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lightning_ulysses import memory
-from tests.launcher import launch
-from tests.models import VarLenDataset, tiny_llama_config, train_on_batches
+from tests.support.launcher import launch
+from tests.support.models import VarLenDataset, tiny_llama_config, train_on_batches
 from tests.test_parity import STEPS, _run, check_against_reference
 from tests.test_realdata import assert_same_training, ordered_batches
 
@@ -35,12 +35,12 @@ AUTO_CASES = {"dp2_auto_zero3": {"dataset": VARLEN, "sp_size": 1, "stage": 3,
 
 @pytest.fixture(scope="module")
 def results():
-    return launch(2, "parity", {"runs": list(RUNS.values())})
+    return launch(2, "parity:run", {"runs": list(RUNS.values())})
 
 
 @pytest.fixture(scope="module")
 def auto_results():
-    return launch(2, "realdata", {"cases": AUTO_CASES})
+    return launch(2, "realdata:run", {"cases": AUTO_CASES})
 
 
 @pytest.mark.parametrize("name", list(RUNS))

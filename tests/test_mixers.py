@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launcher import launch
+from tests.support.launcher import launch
 from tests.test_steps import check_exact
 
 
@@ -29,7 +29,7 @@ CASES = [
     _case("falcon_h1", 2, "-packed", **PACKED, lr=0.1), _case("falcon_h1_no_norm", 2, "-packed", **PACKED),
     # the ways users call the model (positions and shifted labels filled in) reach the mixers too
     _case("qwen3_next", 2, "-labels-no-positions", step="labels_no_positions"),
-    # the MoE router's load-balancing loss from the whole batch (tests/architectures.py: coefficient 0.5)
+    # the MoE router's load-balancing loss from the whole batch (tests/support/architectures.py: coefficient 0.5)
     _case("qwen3_moe_aux_loss", 3), _case("granitemoehybrid", 3),
 ]
 DP_CASES = [_case("qwen3_next", 2, "-dp2", global_batch=2), _case("lfm2", 3, "-dp2", global_batch=2),
@@ -38,24 +38,24 @@ DP_CASES = [_case("qwen3_next", 2, "-dp2", global_batch=2), _case("lfm2", 3, "-d
 
 @pytest.fixture(scope="module")
 def results():
-    by_rank = launch(2, "combined", {
-        "fits": ["tests.scenarios_steps:run", {"cases": CASES}],
-        "counts": ["tests.scenarios_architectures:mixer_collectives",
+    by_rank = launch(2, "combined:run", {
+        "fits": ["steps:run", {"cases": CASES}],
+        "counts": ["architectures:mixer_collectives",
                    {"arch": "qwen3_next", "mixer_kind": "linear_attention", "mixer_layers": [1, 2]}],
-        "counts_mamba2": ["tests.scenarios_architectures:mixer_collectives",
+        "counts_mamba2": ["architectures:mixer_collectives",
                           {"arch": "bamba", "mixer_layers": [1, 2], "recurrence": ("mamba2_chunk_scan", 0)}],
-        "counts_lightning": ["tests.scenarios_architectures:mixer_collectives",
+        "counts_lightning": ["architectures:mixer_collectives",
                              {"arch": "minimax", "mixer_kind": "linear_attention", "mixer_layers": [1, 2],
                               "recurrence": None}],
-        "counts_mamba2_zero3": ["tests.scenarios_architectures:mixer_collectives",
+        "counts_mamba2_zero3": ["architectures:mixer_collectives",
                                 {"arch": "bamba", "mixer_layers": [1, 2], "recurrence": ("mamba2_chunk_scan", 0),
                                  "stage": 3}],
-        "counts_short_conv": ["tests.scenarios_architectures:mixer_collectives",
+        "counts_short_conv": ["architectures:mixer_collectives",
                               {"arch": "lfm2", "mixer_kind": "conv", "mixer_layers": [1, 2],
                                "recurrence": ("causal_conv1d_fn", 0)}],
-        "counts_mamba1": ["tests.scenarios_architectures:mixer_collectives",
+        "counts_mamba1": ["architectures:mixer_collectives",
                           {"arch": "mamba", "mixer_layers": [1, 2], "recurrence": ("mamba_selective_scan", 0)}],
-        "counts_zero3": ["tests.scenarios_architectures:mixer_collectives",
+        "counts_zero3": ["architectures:mixer_collectives",
                          {"arch": "qwen3_next", "mixer_kind": "linear_attention", "mixer_layers": [1, 2],
                           "stage": 3}],
     }, timeout=900)
@@ -64,7 +64,7 @@ def results():
 
 @pytest.fixture(scope="module")
 def dp_results():
-    by_rank = launch(4, "tests.scenarios_steps:run", {"cases": DP_CASES}, timeout=900)
+    by_rank = launch(4, "steps:run", {"cases": DP_CASES}, timeout=900)
     return {name: [r[name] for r in by_rank] for name in by_rank[0]}
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.launcher import launch
-from tests.models import SEED, TokenDataset, lightning_order
-from tests.scenarios_own import load_gpt_example
+from tests.support.launcher import launch
+from tests.support.models import SEED, TokenDataset, lightning_order
+from tests.scenarios.own_model import load_gpt_example
 from tests.test_parity import _run, check_against_reference, rel_diff, update_rel_diff
 
 WRAPPER_2 = [dict(B=2, S=16, Hq=hq, Hkv=hkv, causal=c) for hq, hkv in [(4, 4), (4, 2), (4, 1), (3, 3), (6, 3), (3, 1)]
@@ -33,15 +33,15 @@ HF_UNEVEN_4 = [_run(2, 6, sp_size=4, batch_size=1, num_rows=4, num_heads=6),
 
 @pytest.fixture(scope="module")
 def two():
-    return launch(2, "combined", {"wrapper": ["tests.scenarios_own:wrapper_checks", {"cases": WRAPPER_2}],
-                                  "gpt": ["tests.scenarios_own:gpt_parity", {"runs": GPT_RUNS}],
-                                  "hf": ["parity", {"runs": HF_UNEVEN_2}]})
+    return launch(2, "combined:run", {"wrapper": ["own_model:wrapper_checks", {"cases": WRAPPER_2}],
+                                  "gpt": ["own_model:gpt_parity", {"runs": GPT_RUNS}],
+                                  "hf": ["parity:run", {"runs": HF_UNEVEN_2}]})
 
 
 @pytest.fixture(scope="module")
 def four():
-    return launch(4, "combined", {"wrapper": ["tests.scenarios_own:wrapper_checks", {"cases": WRAPPER_4}],
-                                  "hf": ["parity", {"runs": HF_UNEVEN_4}]})
+    return launch(4, "combined:run", {"wrapper": ["own_model:wrapper_checks", {"cases": WRAPPER_4}],
+                                  "hf": ["parity:run", {"runs": HF_UNEVEN_4}]})
 
 
 def _check_wrapper(results):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launcher import launch
-from tests.models import TokenDataset, build_llama, tiny_llama_config, train_single_device
+from tests.support.launcher import launch
+from tests.support.models import TokenDataset, build_llama, tiny_llama_config, train_single_device
 
 SEQ_LEN = 32
 STEPS = 4
@@ -41,17 +41,17 @@ DP2_SP2_RUNS = [_run(stage, 2, sp_size=2, batch_size=2, num_rows=4 * STEPS) for 
 
 @pytest.fixture(scope="module")
 def sp2_results():
-    return launch(2, "parity", {"runs": SP2_RUNS})
+    return launch(2, "parity:run", {"runs": SP2_RUNS})
 
 
 @pytest.fixture(scope="module")
 def variant_results():
-    return launch(2, "parity", {"runs": list(VARIANT_RUNS.values())})
+    return launch(2, "parity:run", {"runs": list(VARIANT_RUNS.values())})
 
 
 @pytest.fixture(scope="module")
 def dp2_sp2_results():
-    return launch(4, "parity", {"runs": DP2_SP2_RUNS})
+    return launch(4, "parity:run", {"runs": DP2_SP2_RUNS})
 
 
 def rel_diff(actual, expected) -> float:

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from lightning_ulysses import passkey_sample, run_passkey_grid
 from lightning_ulysses.retrieval import NEEDLE
-from tests.launcher import launch
-from tests.models import build_llama, documents_as_rows, tiny_llama_config
-from tests.scenarios_positional import EDGES, CharTokenizer, datasets
+from tests.support.launcher import launch
+from tests.support.models import build_llama, documents_as_rows, tiny_llama_config
+from tests.scenarios.positional import EDGES, CharTokenizer, datasets
 
 REL_TOL = 1e-5
 LENGTHS, DEPTHS = [128, 256, 400], [0.0, 0.5, 1.0]
@@ -23,14 +23,14 @@ LENGTHS, DEPTHS = [128, 256, 400], [0.0, 0.5, 1.0]
 @pytest.fixture(scope="module")
 def sp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("passkey")
-    results = launch(2, "tests.scenarios_positional:run", {"sp_size": 2, "passkey_lengths": LENGTHS,
+    results = launch(2, "positional:run", {"sp_size": 2, "passkey_lengths": LENGTHS,
                                                            "passkey_depths": DEPTHS, "output_dir": str(out)})
     return results, out
 
 
 @pytest.fixture(scope="module")
 def dp2_sp2():
-    return launch(4, "tests.scenarios_positional:run", {"sp_size": 2, "passkey_lengths": LENGTHS[:2],
+    return launch(4, "positional:run", {"sp_size": 2, "passkey_lengths": LENGTHS[:2],
                                                         "passkey_depths": DEPTHS[:2]})
 
 

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from tests.launcher import launch
-from tests.models import (PackedDataset, VarLenDataset, documents_as_rows, lightning_order, pad_right_collate,
+from tests.support.launcher import launch
+from tests.support.models import (PackedDataset, VarLenDataset, documents_as_rows, lightning_order, pad_right_collate,
                           tiny_llama_config, train_on_batches)
 from tests.test_parity import rel_diff, update_rel_diff
-from tests.models import build_llama
+from tests.support.models import build_llama
 
 REL_TOL = 1e-5
 
@@ -39,13 +39,13 @@ DP_CASES = {"dp2_varlen": {"dataset": DATASETS["accumulate"]}}
 
 @pytest.fixture(scope="module")
 def sp2():
-    results = launch(2, "realdata", {"cases": CASES})
+    results = launch(2, "realdata:run", {"cases": CASES})
     return results
 
 
 @pytest.fixture(scope="module")
 def dp2_sp2():
-    return launch(4, "realdata", {"cases": DP_CASES})
+    return launch(4, "realdata:run", {"cases": DP_CASES})
 
 
 def config():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launcher import launch
+from tests.support.launcher import launch
 from tests.test_checkpoints import BASE, assert_continues, global_steps, single_device_reference
 
 STAGES = (1, 2, 3)
@@ -31,10 +31,10 @@ def root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(root):
     """The three launches, in order: each resumes from checkpoints the previous one wrote."""
-    first = launch(2, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": {
+    first = launch(2, "checkpoints:fits", {"root": str(root), "runs": {
         **{f"sp2_z{s}": {**BASE, "stage": s, "ckpt_every": 4, "ckpt_dir": f"sp2_z{s}"} for s in STAGES},
         "sp2_bf16": {**BASE, "stage": 2, "ckpt_every": 4, "ckpt_dir": "sp2_bf16", "trainer": BF16}}})
-    second = launch(4, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": {
+    second = launch(4, "checkpoints:fits", {"root": str(root), "runs": {
         **{f"sp4_from_sp2_z{s}": {**BASE, "sp_size": 4, "stage": s, "resume": f"sp2_z{s}/step=4.ckpt",
                                   "ckpt_every": 4, "ckpt_dir": f"sp4_z{s}"} for s in STAGES},
         "dp2_sp2_z3": {**DP2_SP2, "stage": 3, "ckpt_every": 2, "ckpt_dir": "dp2_sp2_z3"},
@@ -45,7 +45,7 @@ def runs(root):
                                "ckpt_every": 4, "ckpt_dir": "sp4_z3_from_z2"},
         **{f"validate_sp2_z{s}_on_sp4_z{t}": {**BASE, "sp_size": 4, "stage": t, "validate": f"sp2_z{s}/step=4.ckpt"}
            for s, t in VALIDATIONS}}}, timeout=900)
-    third = launch(2, "tests.scenarios_checkpoint:fits", {"root": str(root), "runs": {
+    third = launch(2, "checkpoints:fits", {"root": str(root), "runs": {
         **{f"sp2_from_sp4_z{s}": {**BASE, "stage": s, "resume": f"sp4_z{s}/step=8.ckpt"} for s in STAGES},
         "dp1_sp2_from_dp2_sp2_z3": {**DP1_SP2_B2, "stage": 3, "resume": "dp2_sp2_z3/step=4.ckpt"},
         "sp2_z2_from_sp4_z3": {**BASE, "stage": 2, "resume": "sp4_z3_from_z2/step=8.ckpt"},

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launcher import launch
-from tests.models import VarLenDataset, pad_right_collate, tiny_llama_config, train_on_batches
+from tests.support.launcher import launch
+from tests.support.models import VarLenDataset, pad_right_collate, tiny_llama_config, train_on_batches
 from tests.test_parity import LR, REL_TOL, SEQ_LEN, STEPS, check_against_reference, rel_diff, update_rel_diff
 
 RING_CASES = [  # the fused CPU kernel (torch's flash-attention-for-CPU op) unless "kernel": "matmul" (the fallback)
@@ -44,7 +44,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def ring_alone():
-    return launch(4, "tests.scenarios_ring:ring_alone", {"cases": RING_CASES})
+    return launch(4, "ring:ring_alone", {"cases": RING_CASES})
 
 
 PADDED = VarLenDataset([20, 32, 9, 27, 30, 14, 31, 17])
@@ -67,12 +67,12 @@ def launched(tmp_path_factory):
     """One launch of 4 processes: the parity runs, collective counts at 2x2, right-padded training + evaluation,
     checkpoints resumed with another ring x Ulysses split."""
     root = tmp_path_factory.mktemp("ring-checkpoints")
-    return launch(4, "combined", {
-        "fits": ["tests.scenarios_checkpoint:fits", {"root": str(root), "runs": CKPT_RUNS}],
-        "parity": ["parity", {"runs": list(RUNS.values())}],
-        "collectives": ["collectives", {"layers": list(LAYERS), "kv_heads": 2, "stage": 2, "sp_size": 4,
+    return launch(4, "combined:run", {
+        "fits": ["checkpoints:fits", {"root": str(root), "runs": CKPT_RUNS}],
+        "parity": ["parity:run", {"runs": list(RUNS.values())}],
+        "collectives": ["collectives:run", {"layers": list(LAYERS), "kv_heads": 2, "stage": 2, "sp_size": 4,
                                         "ring_size": 2}],
-        "realdata": ["realdata", {"cases": REALDATA}],
+        "realdata": ["realdata:run", {"cases": REALDATA}],
     })
 
 
@@ -147,7 +147,7 @@ def test_right_padding_validation_and_predictions_with_ring(launched):
     reference = train_on_batches(config, ordered_batches(PADDED, 2))
     result = launched[0]["realdata"]["padded_2x2"]
     assert rel_diff(result["losses"], reference["losses"]) <= REL_TOL
-    from tests.models import build_llama
+    from tests.support.models import build_llama
 
     initial = dict(build_llama(config).named_parameters())
     assert update_rel_diff(result["weights"], reference["weights"], initial) <= REL_TOL
@@ -183,8 +183,8 @@ PACKED_RING = [
 
 @pytest.fixture(scope="module")
 def packed_ring():
-    two = launch(2, "tests.scenarios_steps:run", {"cases": [c for c in PACKED_RING if c["sp_size"] == 2]})
-    four = launch(4, "tests.scenarios_steps:run", {"cases": [c for c in PACKED_RING if c["sp_size"] == 4]})
+    two = launch(2, "steps:run", {"cases": [c for c in PACKED_RING if c["sp_size"] == 2]})
+    four = launch(4, "steps:run", {"cases": [c for c in PACKED_RING if c["sp_size"] == 4]})
     return {name: [r[name] for r in ranks] for ranks in (two, four) for name in ranks[0]}
 
 

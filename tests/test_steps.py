@@ -1,7 +1,7 @@
 """Your own ``training_step``, unchanged: every way of writing it trains exactly like one device under SP, or stops on
 every rank before a single weight changes.
 
-Each row of the README's "Your training_step" table is a case of ``tests/scenarios_steps.py`` (SGD, fp32, 4 optimizer
+Each row of the "Your training_step" table of docs/data-and-training-step.md is a case of ``tests/scenarios/steps.py`` (SGD, fp32, 4 optimizer
 steps, real gloo processes) compared with the same step written for one device in plain PyTorch + transformers (no
 Lightning, no DeepSpeed): per-step losses and the weight update within 1e-5 relative, at ZeRO 2 and 3 (and 0/1 for
 terms that are the same on every rank).
@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.launcher import launch
-from tests.models import SEED, build_llama, documents_as_rows, pad_right_collate, tiny_llama_config
-from tests.scenarios_steps import _dataset
+from tests.support.launcher import launch
+from tests.support.models import SEED, build_llama, documents_as_rows, pad_right_collate, tiny_llama_config
+from tests.scenarios.steps import _dataset
 
 LR = 0.5
 STEPS = 4
@@ -95,7 +95,7 @@ def reference_windows(case: dict, num_rows: int) -> list[list[int]]:
 
 def train_reference(case: dict) -> dict:
     if case.get("arch"):
-        from tests.architectures import build_model
+        from tests.support.architectures import build_model
 
         model = build_model(case["arch"])
     else:
@@ -191,7 +191,7 @@ GENERATION_NAMES = [case["name"] for case in GENERATION]
 
 @pytest.fixture(scope="module")
 def results():
-    by_rank = launch(2, "tests.scenarios_steps:run", {"cases": EXACT + REFUSED_CASES + GENERATION}, timeout=900)
+    by_rank = launch(2, "steps:run", {"cases": EXACT + REFUSED_CASES + GENERATION}, timeout=900)
     return {name: [r[name] for r in by_rank] for name in by_rank[0]}
 
 
@@ -207,7 +207,7 @@ DP_EXACT_NAMES = [case["name"] for case in DP_EXACT]
 
 @pytest.fixture(scope="module")
 def dp_results():
-    by_rank = launch(4, "tests.scenarios_steps:run", {"cases": DP_EXACT}, timeout=900)
+    by_rank = launch(4, "steps:run", {"cases": DP_EXACT}, timeout=900)
     return {name: [r[name] for r in by_rank] for name in by_rank[0]}
 
 
@@ -278,7 +278,7 @@ def test_generate_on_rank_zero_alone_at_zero3_stops_with_a_clear_error():
     """Rank 0 fails fast with the explanation; its peer, already waiting in the next step's collective, ends when
     rank 0's process goes away (as torchrun would end it) instead of hanging."""
     case = {"name": "generate-rank0-zero3", "step": "model_loss", "stage": 3, "generate": "rank0", "max_steps": 2}
-    ranks = launch(2, "tests.scenarios_steps:run", {"cases": [case]}, timeout=120,
+    ranks = launch(2, "steps:run", {"cases": [case]}, timeout=120,
                    extra_env={"ULYSSES_GENERATE_RENDEZVOUS_SECONDS": "5"})
     first = ranks[0]["generate-rank0-zero3"]
     assert first["error_type"] == "GenerationRendezvousError", first["message"]

@@ -1,5 +1,5 @@
 """The architecture matrix, run by ``tests/test_architectures.py`` as
-``launch(2, "tests.scenarios_architectures:run", {"names": [...]})``: every architecture of
+``launch(2, "architectures:run", {"names": [...]})``: every architecture of
 ``tests/architectures.py`` trained with SP=2 (ZeRO 2, SGD) for a few steps in the same two processes, or stopped
 with an error. Rank 0 reports losses and final weights; every rank reports its error.
 """
@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
 from lightning_ulysses.mixer_families import FAMILIES
-from tests.architectures import ARCHITECTURES, batches, build_model
-from tests.scenarios import LAUNCH_WORLD_SIZE, make_trainer
+from tests.support.architectures import ARCHITECTURES, batches, build_model
+from tests.support.training import LAUNCH_WORLD_SIZE, make_trainer
 
 
 class ArchitectureLM(LightningModule):
@@ -87,9 +87,9 @@ def mixer_collectives(payload: dict) -> dict:
     from lightning.pytorch import seed_everything
     from transformers import AutoModelForCausalLM
 
-    from tests.architectures import build_config
-    from tests.models import SEED, TokenDataset
-    from tests.scenarios import CountingCausalLM, tiny_llama_config
+    from tests.support.architectures import build_config
+    from tests.support.models import SEED, TokenDataset
+    from tests.support.models import CountingCausalLM, tiny_llama_config
 
     import sys
 

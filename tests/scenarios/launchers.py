@@ -3,10 +3,10 @@
 * :func:`fit_runs`: parity fits with the world taken from whatever launched the process (SLURM variables, torchrun),
   returning what the parity checks need plus the cluster environment Lightning chose, the ranks it read, the node of
   every rank of the SP group, and the warnings of each fit. Run by ``tests/launcher.py``
-  (``launch(N, "tests.scenarios_launch:fit_runs", ...)``) or, under torchrun, as this module's ``__main__``:
-  ``python -m torch.distributed.run --nproc_per_node=2 -m tests.scenarios_launch PAYLOAD OUT_DIR`` (each rank writes
+  (``launch(N, "launchers:fit_runs", ...)``) or, under torchrun, as this module's ``__main__``:
+  ``python -m torch.distributed.run --nproc_per_node=2 -m tests.scenarios.launchers PAYLOAD OUT_DIR`` (each rank writes
   ``OUT_DIR/rank<RANK>.pkl``).
-* :class:`LaunchReport`: a callback the CLI tests add with ``--trainer.callbacks+=tests.scenarios_launch.LaunchReport``;
+* :class:`LaunchReport`: a callback the CLI tests add with ``--trainer.callbacks+=tests.scenarios.launchers.LaunchReport``;
   every rank writes what it ran with to ``out_dir/rank<global_rank>.json``.
 
 ``ULYSSES_TEST_UNSET_ENV`` (comma-separated names) is removed from the environment before Lightning is imported: the
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
 
-from tests.scenarios import fit_one  # noqa: E402
+from tests.support.training import fit_one  # noqa: E402
 
 
 def _environment(trainer) -> dict[str, Any]:

@@ -18,8 +18,8 @@ from lightning.pytorch import Callback, seed_everything
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
-from tests.models import SEED, VOCAB, CausalLM, TokenDataset, VarLenDataset, pad_right_collate, tiny_llama_config
-from tests.scenarios import Recorder, make_trainer, run_cases
+from tests.support.models import SEED, VOCAB, CausalLM, TokenDataset, VarLenDataset, pad_right_collate, tiny_llama_config
+from tests.support.training import Recorder, make_trainer, run_cases
 
 
 class WeightedRows(Dataset):
@@ -127,7 +127,7 @@ class StepModule(CausalLM):
         self.steps = 0
         self.automatic_optimization = not case.get("manual", False)
         if case.get("arch"):  # another architecture of tests/architectures.py (e.g. a hybrid with sequence mixers)
-            from tests.architectures import build_model
+            from tests.support.architectures import build_model
 
             self.model = build_model(case["arch"])
 
@@ -154,7 +154,7 @@ def _dataset(case: dict) -> Dataset:
     if data == "weighted":
         return WeightedRows(8, 16)
     if data == "packed":  # rows of 16 tokens packing 1-3 documents (position_ids restart at 0)
-        from tests.models import PackedDataset
+        from tests.support.models import PackedDataset
 
         return PackedDataset([[6, 10], [16], [3, 5, 8], [9, 7], [16], [4, 12], [11, 5], [8, 8]])
     return TokenDataset(case.get("num_rows", 8), case.get("seq_len", 16))

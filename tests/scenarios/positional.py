@@ -1,5 +1,5 @@
 """Per-position loss and passkey retrieval under SP (and DP×SP), run by ``tests/test_positional.py`` as
-``launch(N, "tests.scenarios_positional:run", payload)``: ``trainer.validate`` of an untrained tiny Llama on several
+``launch(N, "positional:run", payload)``: ``trainer.validate`` of an untrained tiny Llama on several
 data shapes (plain rows, right padding, packed documents, ``tiled_loss``), each with a :class:`PositionalLoss`, and
 one validation with the :class:`PasskeyRetrieval` callback."""
 
@@ -12,9 +12,9 @@ import torch
 from lightning.pytorch import seed_everything
 
 from lightning_ulysses import PasskeyRetrieval, PositionalLoss, UlyssesDeepSpeedStrategy
-from tests.models import SEED, DataCausalLM, PackedDataset, TokenDataset, VarLenDataset, pad_right_collate, \
+from tests.support.models import SEED, DataCausalLM, PackedDataset, TokenDataset, VarLenDataset, pad_right_collate, \
     tiny_llama_config
-from tests.scenarios import LAUNCH_WORLD_SIZE, make_trainer
+from tests.support.training import LAUNCH_WORLD_SIZE, make_trainer
 
 EDGES = [0, 1, 2, 4, 8, 16, 32, 64]
 

@@ -1,10 +1,9 @@
 """Ring attention alone, in float64, against full causal attention (forward and backward), run by
-``tests/test_ring.py`` as ``launch(N, "tests.scenarios_ring:ring_alone", payload)``: every rank holds its zigzag
+``tests/test_ring.py`` as ``launch(N, "ring:ring_alone", payload)``: every rank holds its zigzag
 tokens, attends over the ring group, and compares with the same positions of a full-sequence computation."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist

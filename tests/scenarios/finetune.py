@@ -11,8 +11,8 @@ from lightning.pytorch import Callback, LightningModule, seed_everything
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
-from tests.models import SEED
-from tests.scenarios import make_trainer
+from tests.support.models import SEED
+from tests.support.training import make_trainer
 
 
 def build_hf_model(spec: dict) -> torch.nn.Module:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -32,10 +32,13 @@ def launch(
 ) -> list[Any]:
     """Run ``<scenario>(payload)`` on ``num_procs`` processes; return the results by rank.
 
-    ``scenario`` is a function name in ``tests/scenarios.py`` or ``"package.module:function"``.
+    ``scenario`` is ``"<module>:<function>"`` of ``tests/scenarios/`` (see ``tests/support/worker.py``).
 
     Raises ``RuntimeError`` with each failed rank's output if any rank fails or the launch times out.
     """
+    if os.environ.get("ULYSSES_TESTS_IN_PROCESS_ONLY"):
+        raise RuntimeError(f"launch({num_procs}, {scenario!r}) from a test not marked `multiprocess` (tests/conftest.py"
+                           " marks tests whose source or fixtures call launch(...)): mark it.")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ulysses-launch-") as tmp:
         payload_path = Path(tmp) / "payload.pkl"
@@ -59,7 +62,7 @@ def launch(
                 **(per_rank_env[rank] if per_rank_env else {}),
             }
             log = open(Path(tmp) / f"rank{rank}.log", "w+")
-            cmd = [sys.executable, "-m", "tests.worker", scenario, str(payload_path), str(Path(tmp) / f"rank{rank}.pkl")]
+            cmd = [sys.executable, "-m", "tests.support.worker", scenario, str(payload_path), str(Path(tmp) / f"rank{rank}.pkl")]
             procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
             logs.append(log)
         deadline = time.monotonic() + timeout

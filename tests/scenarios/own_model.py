@@ -3,9 +3,6 @@ attention, and a from-scratch GPT trained with the strategy (``attention_modules
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,20 +10,14 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, seed_everything
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy, ulysses_attention
-from tests.models import SEED, TokenDataset
-from tests.scenarios import make_trainer
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
+from tests.support.models import SEED, TokenDataset
+from tests.support.training import make_trainer
 
 def load_gpt_example():
-    """The example's GPT, imported from examples/gpt_from_scratch.py (one definition for example and tests)."""
-    if "gpt_from_scratch" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpt_from_scratch", EXAMPLES / "gpt_from_scratch.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpt_from_scratch"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["gpt_from_scratch"]
+    """The example's GPT module, ``examples/gpt_from_scratch.py`` (one definition for example and tests)."""
+    import examples.gpt_from_scratch
+
+    return examples.gpt_from_scratch
 
 
 def wrapper_checks(payload: dict) -> list[dict]:

@@ -1,6 +1,6 @@
 """Paths on which SP peers could train on different data or lose the step state, through a real Trainer.
 
-Run by ``tests/test_agreement.py`` as ``launch(2, "tests.scenarios_agreement:run", payload)`` (sp_size=2, so every
+Run by ``tests/test_agreement.py`` as ``launch(2, "agreement:run", payload)`` (sp_size=2, so every
 rank is an SP peer of the other). Each case reports the exception it ended with (type, message, seconds from the
 start of ``fit``), how many training steps ran, the losses each rank saw (bit patterns, for exact comparisons) and
 the fingerprints of the full batches the rank trained on.
@@ -18,8 +18,8 @@ from lightning.pytorch import Callback, seed_everything
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
-from tests.models import SEED, VOCAB, CausalLM, TokenDataset, tiny_llama_config
-from tests.scenarios import make_trainer, run_cases
+from tests.support.models import SEED, VOCAB, CausalLM, TokenDataset, tiny_llama_config
+from tests.support.training import make_trainer, run_cases
 
 
 class RankSplitStream(IterableDataset):
@@ -101,7 +101,7 @@ class Module(CausalLM):
 
             return DataLoader(self.dataset, batch_size=1, collate_fn=collate)
         if loader == "packed":
-            from tests.models import PackedDataset
+            from tests.support.models import PackedDataset
 
             return DataLoader(PackedDataset([[6, 10], [8, 8], [16], [4, 12]]), batch_size=1)
         if loader == "unbatched":

@@ -1,4 +1,4 @@
-"""Checkpoint scenarios, run by ``tests/test_checkpoints.py`` as ``launch(N, "tests.scenarios_checkpoint:fits", ...)``.
+"""Checkpoint scenarios, run by ``tests/test_checkpoints.py`` as ``launch(N, "checkpoints:fits", ...)``.
 
 Each fit goes through a real Trainer (``ModelCheckpoint``, ``trainer.save_checkpoint``, ``fit(ckpt_path=...)``) with
 SGD + momentum and a per-step ``StepLR``, over two shuffled epochs, so the optimizer state, the scheduler state and
@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 
 import lightning_ulysses  # noqa: F401  (registers the strategy names)
 from lightning_ulysses import UlyssesDeepSpeedStrategy
-from tests.models import SEED, VOCAB, CausalLM, TokenDataset, tiny_llama_config
-from tests.scenarios import LAUNCH_WORLD_SIZE, make_trainer
+from tests.support.models import SEED, VOCAB, CausalLM, TokenDataset, tiny_llama_config
+from tests.support.training import LAUNCH_WORLD_SIZE, make_trainer
 
 LR, MOMENTUM, LR_STEP, LR_GAMMA = 0.1, 0.9, 3, 0.5
 KV_HEADS = 2

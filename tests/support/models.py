@@ -231,3 +231,75 @@ def train_on_batches(config, batches: list[dict[str, torch.Tensor]], lr: float =
         optimizer.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()}, "model": model}
+
+
+RING_PASSES = {"n": 0}  # point-to-point passes of K/V blocks around the ring (counted by count_ring_passes)
+
+
+def count_ring_passes() -> None:
+    """Count ring attention's point-to-point passes in ``RING_PASSES`` (CommDebugMode does not see them)."""
+    from lightning_ulysses import ring
+
+    if getattr(ring._start_pass, "_counted", False):
+        return
+    original = ring._start_pass
+
+    def counted(tensors, group):
+        RING_PASSES["n"] += 1
+        return original(tensors, group)
+
+    counted._counted = True
+    ring._start_pass = counted
+
+
+class CountingCausalLM(CausalLM):
+    """``CausalLM`` that counts its training steps, its Hugging Face model's forward calls and losses, and the
+    collectives of its first step: the model's forward inside ``training_step`` (not the loss logging), backward
+    around ``engine.backward``, ring passes when :func:`count_ring_passes` is on."""
+
+    def __init__(self, config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.steps = 0
+        self.forwards = 0
+        self.losses: list[float] = []
+        self.forward_counts: dict[str, int] = {}
+        self.backward_counts: dict[str, int] = {}
+        self._backward_mode = None
+        self.model.register_forward_pre_hook(self._count_forward)
+
+    def _count_forward(self, module, args) -> None:
+        self.forwards += 1
+
+    def training_step(self, batch, batch_idx):
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        self.steps += 1
+        if batch_idx > 0 or self.forward_counts:
+            loss = self.model(**batch).loss
+        else:
+            passes_before = RING_PASSES["n"]
+            with CommDebugMode() as comm:
+                loss = self.model(**batch).loss
+            self.forward_counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+            if RING_PASSES["n"] > passes_before:
+                self.forward_counts["ring_passes"] = RING_PASSES["n"] - passes_before
+        self.log("train_loss", loss, sync_dist=True)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_before_backward(self, loss):
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        if not self.backward_counts and self._backward_mode is None:
+            self._backward_mode = CommDebugMode()
+            self._backward_mode.__enter__()
+            self._passes_before_backward = RING_PASSES["n"]
+
+    def on_after_backward(self):
+        if self._backward_mode is not None:
+            self._backward_mode.__exit__(None, None, None)
+            self.backward_counts = {str(op).split(".")[-1]: n
+                                    for op, n in self._backward_mode.get_comm_counts().items()}
+            if RING_PASSES["n"] > self._passes_before_backward:
+                self.backward_counts["ring_passes"] = RING_PASSES["n"] - self._passes_before_backward
+            self._backward_mode = None

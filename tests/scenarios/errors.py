@@ -1,6 +1,6 @@
 """Bad configurations through a real Trainer, one after the other in the same processes, then a good fit.
 
-Run by ``tests/test_errors.py`` as ``launch(2, "tests.scenarios_errors:run", payload)``. Each case reports the
+Run by ``tests/test_errors.py`` as ``launch(2, "errors:run", payload)``. Each case reports the
 exception (type and message) and how much compute ran before it (``training_step`` calls and forward calls of the
 Hugging Face model), plus whether the model was left switched to Ulysses.
 """
@@ -13,28 +13,8 @@ from typing import Any
 import torch
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy, hf
-from tests.models import CausalLM, TokenDataset, tiny_llama_config
-from tests.scenarios import make_trainer
-
-
-class CountingCausalLM(CausalLM):
-    """``CausalLM`` that counts its training steps and the forward calls of its Hugging Face model."""
-
-    def __init__(self, config, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-        self.steps = 0
-        self.forwards = 0
-        self.losses: list[float] = []
-        self.model.register_forward_pre_hook(self._count_forward)
-
-    def _count_forward(self, module, args) -> None:
-        self.forwards += 1
-
-    def training_step(self, batch, batch_idx):
-        self.steps += 1
-        loss = super().training_step(batch, batch_idx)
-        self.losses.append(loss.item())
-        return loss
+from tests.support.models import CountingCausalLM, TokenDataset, tiny_llama_config
+from tests.support.training import make_trainer
 
 
 def _fit(case: dict) -> dict:
