@@ -108,3 +108,22 @@ def switch_to_train_mode(model: nn.Module) -> ModuleModes:
 def restore_modes(modes: ModuleModes) -> None:
     for module, training in modes:
         module.training = training
+
+
+def train_mode_for_fit(models: list[nn.Module]) -> ModuleModes:
+    """``from_pretrained`` returns models in eval mode and Lightning keeps submodule modes: without this, fit would
+    silently run such a model without gradient checkpointing and dropout. Returns the modes to give back after fit
+    (:func:`restore_modes`)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    saved: ModuleModes = []
+    for model in models:
+        modes = switch_to_train_mode(model)
+        if modes:
+            rank_zero_info(
+                f"UlyssesDeepSpeedStrategy: {type(model).__name__} was in eval mode (as `from_pretrained` returns"
+                " models); it trains in train mode (dropout, gradient checkpointing on) and gets its modes back"
+                " after fit. To keep parts frozen in eval mode, call `.eval()` on those submodules only."
+            )
+        saved.extend(modes)
+    return saved

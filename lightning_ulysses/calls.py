@@ -120,12 +120,12 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
     if context.plain:
         return None
     name = type(model).__name__
-    if not context.in_step or context.shard is None:
+    if not context.in_step or context.shard_info is None:
         raise RuntimeError(outside_step_error(name))
     named = _as_keywords(model, args, kwargs)
     if named is None:
         return None
-    shard = context.shard
+    shard = context.shard_info
     tokens = named.get("input_ids")
     if tokens is None:
         tokens = named.get("inputs_embeds")
@@ -167,15 +167,15 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
 
 def _complete_own_call(module: nn.Module, args: tuple, kwargs: dict, context: StepContext) -> Optional[tuple]:
     """Positions only, for a module of the user's own model whose forward takes ``position_ids``."""
-    if context.plain or not context.in_step or context.shard is None or context.shard.shard_shape is None:
+    if context.plain or not context.in_step or context.shard_info is None or context.shard_info.shard_shape is None:
         return None
     named = _as_keywords(module, args, kwargs)
     if named is None or named.get("position_ids") is not None:
         return None
     tokens = next((v for v in named.values() if isinstance(v, torch.Tensor) and v.ndim >= 2), None)
-    if tokens is None or tokens.shape[1] != context.shard.shard_shape[1]:
+    if tokens is None or tokens.shape[1] != context.shard_info.shard_shape[1]:
         return None
-    named["position_ids"] = _positions(type(module).__name__, None, int(tokens.shape[0]), context.shard, context,
+    named["position_ids"] = _positions(type(module).__name__, None, int(tokens.shape[0]), context.shard_info, context,
                                        tokens.device)
     return (), named
 

@@ -272,9 +272,8 @@ def hf_model_records(root: nn.Module) -> dict[str, dict[str, Any]]:
         if id(module) not in found:
             continue
         config = module.config.to_dict()
-        saved = module.__dict__.get(getattr(hf, "_SAVED", "_ulysses_saved_state"))
-        if saved is not None and getattr(saved, "use_cache", None) is not None:
-            config["use_cache"] = saved.use_cache
+        if hf.original_use_cache(module) is not None:  # the model's own setting, not fit's (cache off)
+            config["use_cache"] = hf.original_use_cache(module)
         record = {
             "class": f"{type(module).__module__}.{type(module).__qualname__}",
             "config": config,

@@ -82,14 +82,15 @@ class StepContext:
     """Shared by the attention functions and the loss of the prepared models; the strategy updates it per step.
 
     Attributes:
-        sp_group: ranks that hold the shards of the same sequences.
-        ulysses_group: the ranks of the all-to-all around attention (the SP group unless ``ring_group`` is set).
-        ring_group: with hybrid Ulysses × ring SP, the ranks that exchange keys/values across ring groups.
-        loss_group: ranks whose tokens make up one optimizer step's batch (every rank: DP × SP).
+        sp_group: ranks that hold the shards of the same sequences. (A step's loss covers the global batch: its
+            sums run over every rank, DP × SP, the default group.)
+        ulysses_group: the ranks of the all-to-all around attention (the SP group when ``ring_size = 1``).
+        ring_group: the ranks that exchange keys/values across ring groups (this rank alone when ``ring_size = 1``).
+        ring_size: ring groups per SP group; 1: Ulysses only.
         grad_scale: factor on the local loss share that makes DeepSpeed's gradient reduction exact (see loss.py).
         accumulation: gradient-accumulation steps DeepSpeed divides the loss by.
         sdpa_per_document: with ``sdpa``, attend within each packed document by one SDPA call per document.
-        shard: the current batch's :class:`ShardInfo`.
+        shard_info: the current batch's :class:`ShardInfo`.
         token_stats: per-token ``(loss, argmax_correct)`` of this rank's shard, ``[B, s]`` each (loss 0 and correct
             False where there is no target), recorded by the loss of the last forward pass run without gradients
             (evaluation); ``None`` otherwise.
@@ -114,15 +115,15 @@ class StepContext:
     """
 
     sp_group: dist.ProcessGroup
-    loss_group: Optional[dist.ProcessGroup]
+    ulysses_group: dist.ProcessGroup
+    ring_group: dist.ProcessGroup
+    ring_size: int = 1
     grad_scale: float = 1.0
     accumulation: int = 1
     sdpa_per_document: bool = False
-    shard: Optional[ShardInfo] = None
+    shard_info: Optional[ShardInfo] = None
     tile_shard_len: Optional[int] = None
     token_stats: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-    ulysses_group: Optional[dist.ProcessGroup] = None
-    ring_group: Optional[dist.ProcessGroup] = None
     loss_scale: float = 1.0
     incoming_gradients: Optional[list] = None
     in_step: bool = False
@@ -131,8 +132,3 @@ class StepContext:
     device_positions: dict = field(default_factory=dict)
     router_token_mask: Optional[torch.Tensor] = None
     zero_stage_3: bool = False
-
-    @property
-    def exchange_group(self) -> dist.ProcessGroup:
-        """The group of the Ulysses all-to-all."""
-        return self.ulysses_group if self.ulysses_group is not None else self.sp_group

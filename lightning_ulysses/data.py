@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, default_collate
 from lightning_ulysses.agreement import batch_fingerprint
 from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo
 from lightning_ulysses.loss import IGNORE_INDEX
-from lightning_ulysses.ring import padded_length, shard_index
+from lightning_ulysses.geometry import SequenceGeometry
 
 # Keys the collate step reads or writes; every other [B, S, ...] tensor is padded with 0 and sliced.
 INPUT_IDS, LABELS, SHIFT_LABELS, POSITION_IDS, ATTENTION_MASK = (
@@ -102,12 +102,12 @@ def shard_batch(
     if attention_mask is not None:
         target_valid[:, :-1] &= attention_mask[:, 1:].bool()
 
-    ulysses_size = sp_size // ring_size
-    padded_len = padded_length(S, ring_size, ulysses_size)
+    geometry = SequenceGeometry(sp_size, ring_size)
+    padded_len = geometry.padded_length(S)
     shard_len = padded_len // sp_size
     start = sp_rank * shard_len
-    index = (shard_index(padded_len, ring_size, ulysses_size, sp_rank // ulysses_size, sp_rank % ulysses_size)
-             if ring_size > 1 else None)  # [s] global positions of this rank's zigzag shard
+    # [s] global positions of this rank's zigzag shard (Ulysses only: the contiguous slice from `start`)
+    index = geometry.shard_index(padded_len, sp_rank) if ring_size > 1 else None
 
     def cut(value: torch.Tensor, key: str) -> torch.Tensor:  # [B, S, ...] -> [B, s, ...]
         if padded_len != S:
@@ -124,24 +124,23 @@ def shard_batch(
     info.target_valid = cut(target_valid, "target_valid")  # padded with False
     info.global_index = torch.arange(start, start + shard_len) if index is None else index
     info.padded_len = padded_len
-    info.halo = next_token_sources(padded_len, sp_size, ring_size, sp_rank)
+    info.halo = next_token_sources(padded_len, geometry, sp_rank)
     out[SHARD_INFO_KEY] = info
     return out
 
 
-def next_token_sources(padded_len: int, sp_size: int, ring_size: int, sp_rank: int) -> "HaloPlan":
+def next_token_sources(padded_len: int, geometry: SequenceGeometry, sp_rank: int) -> "HaloPlan":
     """Where the token after each contiguous run of this rank's shard lives (see :class:`HaloPlan`)."""
-    ulysses = sp_size // ring_size
 
     def index_of(rank: int) -> torch.Tensor:  # [s] positions in the padded row that SP rank `rank` holds
-        return shard_index(padded_len, ring_size, ulysses, rank // ulysses, rank % ulysses)
+        return geometry.shard_index(padded_len, rank)
 
     def run_starts(index: torch.Tensor) -> list[int]:
         return [0] + [i for i in range(1, len(index)) if int(index[i]) != int(index[i - 1]) + 1]
 
     owner: dict[int, tuple[int, int]] = {}  # global start of every run -> (SP rank, run number)
     slots = 1
-    for rank in range(sp_size):
+    for rank in range(geometry.sp_size):
         index = index_of(rank)
         starts = run_starts(index)
         slots = max(slots, len(starts))

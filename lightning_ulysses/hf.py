@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_ulysses.calls import install_call_completion, remove_call_completion
 from lightning_ulysses.context import StepContext
-from lightning_ulysses.exchange import head_to_sequence_shards, sequence_to_head_shards
+from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.hf_attention import _CONTEXT_ATTR, _PREFIX
 from lightning_ulysses.loss import SequenceParallelLossFunction
 from lightning_ulysses.mixers import unwrap_sequence_mixer, wrap_sequence_mixer
@@ -53,13 +53,13 @@ class _SavedModelState:
     mixers: list[nn.Module] = field(default_factory=list)
     hooks: list[Any] = field(default_factory=list)
 
-_SAVED = "_ulysses_saved_state"
+_SAVED_STATE = "_ulysses_saved_state"
 
 
 def prepare_model(model: nn.Module, context: StepContext) -> None:
     """Point ``model`` at Ulysses attention over ``context.sp_group`` and at the SP loss. Idempotent; undone by
     :func:`restore_model`."""
-    saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED)
+    saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED_STATE)
     if saved is None:
         config = model.config
         saved = _SavedModelState(
@@ -83,7 +83,7 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
             wrap_sequence_mixer(mixer, context)
         if saved.use_cache is not None:
             config.use_cache = False  # a KV cache of one shard is useless and would size masks wrongly
-        model.__dict__[_SAVED] = saved
+        model.__dict__[_SAVED_STATE] = saved
     # Every module that dispatches attention holds a config; give each the step context (SP group, documents).
     saved.marked_modules = [m for m in model.modules() if hasattr(m, "config")]
     for module in saved.marked_modules:
@@ -110,7 +110,7 @@ def _refuse_router_aux_loss(model: nn.Module, args: tuple, kwargs: dict) -> None
 
 def restore_model(model: nn.Module) -> None:
     """Undo :func:`prepare_model`: the model's attention, cache setting and loss are what they were before."""
-    saved: Optional[_SavedModelState] = model.__dict__.pop(_SAVED, None)
+    saved: Optional[_SavedModelState] = model.__dict__.pop(_SAVED_STATE, None)
     if saved is None:
         return
     model.config._attn_implementation = saved.attn_implementation
@@ -132,14 +132,20 @@ def restore_model(model: nn.Module) -> None:
 
 
 def is_prepared(model: nn.Module) -> bool:
-    return _SAVED in model.__dict__
+    return _SAVED_STATE in model.__dict__
+
+
+def original_use_cache(model: nn.Module) -> Optional[bool]:
+    """The ``use_cache`` setting a prepared model had before preparation (``None``: not prepared or unset)."""
+    saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED_STATE)
+    return saved.use_cache if saved is not None else None
 
 
 @contextmanager
 def plain_mode(model: nn.Module, context: StepContext) -> Iterator[None]:
     """Inside the block the prepared ``model`` runs as the plain model it was before preparation (its own attention
     implementation and cache setting, no exchange, no call completion): for ``generate()`` during fit."""
-    saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED)
+    saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED_STATE)
     if saved is None:
         yield
         return
@@ -177,16 +183,17 @@ def _with_ulysses_sdpa(module: nn.Module, context: StepContext) -> Callable[...,
                 raise ValueError(f"{name} passes SDPA an attention mask that is more than causal; under sequence"
                                  " parallelism only causal attention (right padding, no mask) is supported for"
                                  " this architecture.")
-            if context.shard is not None and context.shard.packed:
+            if context.shard_info is not None and context.shard_info.packed:
                 raise ValueError(f"{name} computes attention itself: packed documents are not supported for this"
                                  " architecture under sequence parallelism (one document per row).")
-            q, k, v = sequence_to_head_shards(query.contiguous(), key.contiguous(), value.contiguous(),
-                                              context.sp_group)  # [B, hq, S, D], [B, hkv, S, D] x2
             causal = bool(getattr(module, "is_causal", True)) or is_causal
-            out = original_sdpa(q, k, v, dropout_p=dropout_p, is_causal=causal and q.shape[2] > 1, scale=scale,
-                                enable_gqa=q.shape[1] != k.shape[1])  # [B, hq, S, D]
-            shards = head_to_sequence_shards(out.transpose(1, 2), context.sp_group, query.shape[1])  # [B, s, Hq, D]
-            return shards.transpose(1, 2)  # [B, Hq, s, D], as SDPA returns
+
+            def full_sequence_sdpa(q, k, v):  # [B, hq, S, D], [B, hkv, S, D] x2 -> [B, hq, S, D]
+                return original_sdpa(q, k, v, dropout_p=dropout_p, is_causal=causal and q.shape[2] > 1, scale=scale,
+                                     enable_gqa=q.shape[1] != k.shape[1])
+
+            return ulysses_attention(query.contiguous(), key.contiguous(), value.contiguous(), context.sp_group,
+                                     full_sequence_sdpa)  # [B, Hq, s, D], as SDPA returns
 
         F.scaled_dot_product_attention = ulysses_sdpa
         try:

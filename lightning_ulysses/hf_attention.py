@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses.context import ShardInfo, StepContext
@@ -157,7 +156,7 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         for name in _LOCAL_POSITION_KWARGS:
             kwargs.pop(name, None)
         _refuse_unshardable_inputs(module, attention_mask, kwargs)
-        group = context.exchange_group
+        group = context.ulysses_group
         q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
         inner = ALL_ATTENTION_FUNCTIONS[inner_name]
         view = _LocalHeadsView(module, q.shape[1] // k.shape[1])
@@ -165,11 +164,11 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         window = sliding_window_of(kwargs)
         if not inner_name.startswith("flash_attention"):
             kwargs.pop("sliding_window", None)
-        shard = context.shard
-        if context.ring_group is not None:  # hybrid: q holds this ring rank's S/R tokens, attend over all S
+        shard = context.shard_info
+        if context.ring_size > 1:  # hybrid: q holds this ring rank's S/R tokens, attend over all S
             documents = None
             if shard is not None and shard.packed:  # [B, S]: the document of every global position
-                padded_len = q.shape[2] * dist.get_world_size(context.ring_group)
+                padded_len = q.shape[2] * context.ring_size
                 documents = document_ids(shard.cu_seqlens, q.shape[0], padded_len, q.device)
             out = ring_attention(view, q, k, v, context.ring_group, window, kwargs, documents)  # [B, S/R, hq, D]
         elif shard is not None and shard.packed:

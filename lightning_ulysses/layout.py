@@ -1,8 +1,9 @@
-"""The DP×SP layout of the world: one object owns the device meshes (the DP × SP mesh, and with ring attention the
-DP × ring × Ulysses mesh), the groups and the ranks; everything else asks it.
+"""The DP×SP layout of the world: one object owns the device mesh ``("dp", "ring", "ulysses")`` (``"sp"`` is its
+flattened ``ring × ulysses`` part; ``ring_size = 1`` is the plain Ulysses case, not a special one), the groups, the
+ranks and the sequence geometry (:class:`~lightning_ulysses.geometry.SequenceGeometry`); everything else asks it.
 
-Ranks are laid out with SP innermost: global rank ``r`` sits at ``(dp_rank, sp_rank) = divmod(r, sp_size)``, so the
-ranks ``[k * sp_size, (k + 1) * sp_size)`` form one SP group. With the usual one-process-per-device launch, local ranks
+Ranks are laid out with SP innermost (and Ulysses innermost inside SP): global rank ``r`` sits at
+``(dp_rank, sp_rank) = divmod(r, sp_size)``, so the ranks ``[k * sp_size, (k + 1) * sp_size)`` form one SP group. With the usual one-process-per-device launch, local ranks
 of a node are consecutive global ranks, so an SP group stays inside a node whenever ``sp_size`` divides the number of
 devices per node.
 """
@@ -14,6 +15,8 @@ from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_ulysses.geometry import SequenceGeometry
 
 DP_DIM = "dp"
 SP_DIM = "sp"
@@ -84,23 +87,18 @@ class SequenceParallelLayout:
     """The data-parallel × sequence-parallel split of the world, built once the process group exists.
 
     Attributes:
-        mesh: 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` with dims ``("dp", "sp")``, SP innermost.
-        sp_size: Number of ranks that share one sequence.
-        dp_size: Number of data-parallel replicas (``world_size // sp_size``).
+        mesh: 3-D :class:`~torch.distributed.device_mesh.DeviceMesh` with dims ``("dp", "ring", "ulysses")``, Ulysses
+            innermost (a Ulysses group is ``sp_size / ring_size`` consecutive ranks); ``mesh["sp"]`` is the flattened
+            ``ring × ulysses`` dimension and ``mesh["dp", "sp"]`` the 2-D DP × SP view.
+        geometry: how rows are cut over the SP group (padded length, shard positions, zigzag order).
         sp_rank: This rank's position inside its SP group (which sequence shard it holds).
         dp_rank: Index of this rank's SP group (which samples it reads).
-        ring_size: Ring groups per SP group (hybrid Ulysses × ring, USP); 1: Ulysses only.
-        ring_mesh: with ``ring_size > 1``, the 3-D mesh ``("dp", "ring", "ulysses")``, Ulysses innermost (a Ulysses
-            group is ``sp_size / ring_size`` consecutive ranks); else ``None``.
     """
 
     mesh: DeviceMesh
-    sp_size: int
-    dp_size: int
+    geometry: SequenceGeometry
     sp_rank: int
     dp_rank: int
-    ring_size: int = 1
-    ring_mesh: Optional[DeviceMesh] = None
 
     @classmethod
     def build(cls, device_type: str, sp_size: int, ring_size: int = 1) -> "SequenceParallelLayout":
@@ -108,32 +106,41 @@ class SequenceParallelLayout:
         world_size = dist.get_world_size()
         validate_sp_size(sp_size, world_size)
         validate_ring_size(ring_size, sp_size)
-        dp_size = world_size // sp_size
-        mesh = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=(DP_DIM, SP_DIM))
+        geometry = SequenceGeometry(sp_size, ring_size)
+        mesh = init_device_mesh(device_type, (world_size // sp_size, ring_size, geometry.ulysses_size),
+                                mesh_dim_names=(DP_DIM, RING_DIM, ULYSSES_DIM))
+        mesh[RING_DIM, ULYSSES_DIM]._flatten(SP_DIM)  # the SP group: ring × ulysses, as one dimension
         dp_rank, sp_rank = divmod(dist.get_rank(), sp_size)
         assert mesh.get_local_rank(SP_DIM) == sp_rank and mesh.get_local_rank(DP_DIM) == dp_rank
-        ring_mesh = None
-        if ring_size > 1:
-            ring_mesh = init_device_mesh(device_type, (dp_size, ring_size, sp_size // ring_size),
-                                         mesh_dim_names=(DP_DIM, RING_DIM, ULYSSES_DIM))
-            assert ring_mesh.get_local_rank(RING_DIM) == sp_rank // (sp_size // ring_size)
-        return cls(mesh=mesh, sp_size=sp_size, dp_size=dp_size, sp_rank=sp_rank, dp_rank=dp_rank,
-                   ring_size=ring_size, ring_mesh=ring_mesh)
+        assert (mesh.get_local_rank(RING_DIM), mesh.get_local_rank(ULYSSES_DIM)) == geometry.ring_and_ulysses_rank(
+            sp_rank)
+        return cls(mesh=mesh, geometry=geometry, sp_rank=sp_rank, dp_rank=dp_rank)
 
     @property
-    def ulysses_size(self) -> int:
-        """Ranks of one Ulysses group (the all-to-all around attention): ``sp_size / ring_size``."""
-        return self.sp_size // self.ring_size
+    def sp_size(self) -> int:
+        """Number of ranks that share one sequence."""
+        return self.geometry.sp_size
+
+    @property
+    def ring_size(self) -> int:
+        """Ring groups per SP group (hybrid Ulysses × ring); 1: Ulysses only."""
+        return self.geometry.ring_size
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas (``world_size // sp_size``)."""
+        return self.mesh.size(0)
 
     @property
     def ulysses_group(self) -> dist.ProcessGroup:
         """The consecutive ranks whose all-to-all swaps sequence for heads (the whole SP group when ring_size=1)."""
-        return self.ring_mesh.get_group(ULYSSES_DIM) if self.ring_mesh is not None else self.sp_group
+        return self.mesh.get_group(ULYSSES_DIM)
 
     @property
-    def ring_group(self) -> Optional[dist.ProcessGroup]:
-        """The ranks with the same Ulysses rank across the ring groups of this SP group (``None``: no ring)."""
-        return self.ring_mesh.get_group(RING_DIM) if self.ring_mesh is not None else None
+    def ring_group(self) -> dist.ProcessGroup:
+        """The ranks with the same Ulysses rank across the ring groups of this SP group (this rank alone when
+        ring_size=1)."""
+        return self.mesh.get_group(RING_DIM)
 
     @property
     def sp_group(self) -> dist.ProcessGroup:

@@ -28,7 +28,7 @@ from lightning_ulysses.loss import IGNORE_INDEX
 
 
 
-def prepare_loader(dataloader: Any, queue: "StepStateQueue", *, train: bool, accumulation: int = 1,
+def prepare_loader(dataloader: Any, queue: "ShardInfoQueue", *, train: bool, accumulation: int = 1,
                    epoch_batches: Callable[[], float] = lambda: float("inf"),
                    on_position_change: Optional[Callable[[int], None]] = None,
                    on_exhausted: Optional[Callable[[], None]] = None) -> Any:
@@ -219,7 +219,7 @@ def install_resumable_loader(dataloader: Any, on_position_change: Optional[Calla
 
 
 # ----------------------------------------------------------------------------------------------- step state
-class StepStateQueue:
+class ShardInfoQueue:
     """The :class:`ShardInfo` of every batch a loader handed out whose step has not run yet, oldest first.
 
     Lightning fetches one batch ahead (and a sequence of validation loaders runs the next loader's first fetch
@@ -249,7 +249,7 @@ class _StepStateMixin:
     the loader (before Lightning's or the user's hooks can drop or trip over it) and queues it for the step; when the
     loader is exhausted it calls ``on_exhausted`` (the SP-peer end-of-data check)."""
 
-    _ulysses_queue: StepStateQueue
+    _ulysses_queue: ShardInfoQueue
     _ulysses_on_exhausted: Optional[Callable[[], None]] = None
 
     def __iter__(self):

@@ -181,7 +181,7 @@ class _ValueWithGradientOf(torch.autograd.Function):
 
 def step_normalization(context: StepContext) -> tuple[float, Optional[torch.Tensor]]:
     """The gradient scale and accumulation-window token count of the current step."""
-    window = context.shard.window_tokens if context.shard is not None else None
+    window = context.shard_info.window_tokens if context.shard_info is not None else None
     # The whole loss is back-propagated with k·D/(dp·sp) (whole_loss_gradient_factor), and with k accumulation steps
     # Lightning and DeepSpeed each divide it by k: a share normalised by the whole window's tokens is multiplied by k
     # once more (measured, tests pin it); a share normalised per micro-batch averages the micro-batches as Lightning
@@ -195,8 +195,6 @@ def step_cross_entropy(
 ) -> torch.Tensor:
     """:func:`sequence_parallel_cross_entropy` with the group, gradient scale and window of the current step;
     ``weight``: ``[B]`` sample or ``[B, s]`` token weights (a weighted mean over the target tokens)."""
-    scale, window = step_normalization(context)
-    record = context.incoming_gradients
     if weight is not None:
         losses = token_cross_entropy(logits, shift_labels, ignore_index)  # [B, s], 0 where no target
         weights = broadcast_token_weights(weight, shift_labels) * (shift_labels != ignore_index).to(losses.device)
@@ -204,9 +202,21 @@ def step_cross_entropy(
     if not torch.is_grad_enabled():  # evaluation: keep the per-token losses for position / retrieval metrics
         context.token_stats = token_statistics(logits, shift_labels, ignore_index)
         local_sum = context.token_stats[0].sum()
-        return normalize_loss_sum(local_sum, shift_labels, context.loss_group, scale, ignore_index, window, record)
-    local_sum = cross_entropy_sum(logits, shift_labels, ignore_index)
-    return normalize_loss_sum(local_sum, shift_labels, context.loss_group, scale, ignore_index, window, record)
+    else:
+        local_sum = cross_entropy_sum(logits, shift_labels, ignore_index)
+    return step_loss_from_sum(context, local_sum, shift_labels, ignore_index)
+
+
+def step_loss_from_sum(context: Optional[StepContext], local_sum: torch.Tensor, shift_labels: torch.Tensor,
+                       ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The step's mean token loss over the whole batch from this rank's summed token losses (a scalar) and its
+    ``[B, s]`` ``shift_labels``, with the current step's gradient scale and accumulation window, recorded for the
+    SP peers' agreement check; ``context=None`` (a model used outside the strategy): a plain mean over all ranks."""
+    if context is None:
+        return normalize_loss_sum(local_sum, shift_labels, None, 1.0, ignore_index, None, None)
+    scale, window = step_normalization(context)
+    # group None: every rank (DP × SP), the global batch
+    return normalize_loss_sum(local_sum, shift_labels, None, scale, ignore_index, window, context.incoming_gradients)
 
 
 def token_cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor,
@@ -233,7 +243,7 @@ def step_token_mean(context: StepContext, values: torch.Tensor, weights: torch.T
     is taken per micro-batch (with accumulation, the micro-batches are averaged as Lightning does on one device)."""
     weights = weights.to(values.device).float()
     local_sum = (values.float() * weights).sum()
-    return normalize_weighted_sum(local_sum, weights.sum(), context.loss_group, context.grad_scale, None,
+    return normalize_weighted_sum(local_sum, weights.sum(), None, context.grad_scale, None,
                                   context.incoming_gradients)
 
 
@@ -259,3 +269,13 @@ class SequenceParallelLossFunction:
                 " the model with the batch's `labels` (or `shift_labels=batch[\"shift_labels\"]`)."
             )
         return step_cross_entropy(self.context, logits, shift_labels, ignore_index)
+
+
+def zero3_parameters_outside_forward_error() -> str:
+    return (
+        "A term of the training step's loss uses model parameters outside the model's forward under ZeRO stage 3,"
+        " where parameters are partitioned across the ranks (outside a forward pass each rank holds [0]-sized"
+        " placeholders), so its gradient cannot be formed; no weight was changed. For a weight regulariser"
+        " (`sum(p.pow(2).sum() for p in self.parameters())`) use the optimizer's `weight_decay`; compute other terms"
+        " inside the model's forward (e.g. a forward hook), or train with ZeRO stage 1 or 2."
+    )

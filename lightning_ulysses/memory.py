@@ -26,13 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ulysses.context import StepContext
-from lightning_ulysses.loss import (
-    IGNORE_INDEX,
-    cross_entropy_sum,
-    normalize_loss_sum,
-    step_normalization,
-    token_statistics,
-)
+from lightning_ulysses.loss import cross_entropy_sum, step_loss_from_sum, token_statistics
 
 
 AUTO = "auto"
@@ -90,7 +84,7 @@ def _agreed_shard_len(local_len: int, context: Optional[StepContext]) -> int:
     return local_len
 
 
-_SAVED = "_ulysses_memory_saved"
+_MEMORY_STATE = "_ulysses_memory_saved"
 
 
 def _decoder_mlps(model: nn.Module) -> list[nn.Module]:
@@ -99,7 +93,7 @@ def _decoder_mlps(model: nn.Module) -> list[nn.Module]:
 
 def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepContext]) -> None:
     """Switch ``features`` on for the Hugging Face causal LM ``model`` (undo with :func:`disable`)."""
-    if not features.any or _SAVED in model.__dict__:
+    if not features.any or _MEMORY_STATE in model.__dict__:
         return
     saved: dict[str, Any] = {"mlps": [], "forward": None, "checkpointing": False}
     if features.tiled_mlp:
@@ -113,11 +107,11 @@ def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepCon
     if features.offload_checkpoints:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         saved["checkpointing"] = True
-    model.__dict__[_SAVED] = saved
+    model.__dict__[_MEMORY_STATE] = saved
 
 
 def disable(model: nn.Module) -> None:
-    saved = model.__dict__.pop(_SAVED, None)
+    saved = model.__dict__.pop(_MEMORY_STATE, None)
     if saved is None:
         return
     for mlp in saved["mlps"]:
@@ -205,13 +199,7 @@ def _memory_forward(model: nn.Module, features: MemoryFeatures, context: Optiona
             else:  # evaluation: per-token losses chunk by chunk (no backward, so no checkpointing)
                 context.token_stats = tiled_token_statistics(hidden, lm_head, shift_labels, chunks)
                 local_sum = context.token_stats[0].sum()
-            if context is None:
-                scale, window, group, record = 1.0, None, None, None
-            else:
-                (scale, window), group = step_normalization(context), context.loss_group
-                record = context.incoming_gradients
-            loss = normalize_loss_sum(local_sum, shift_labels, group, scale, IGNORE_INDEX, window, record)
-            return CausalLMOutputWithPast(loss=loss, logits=None)
+            return CausalLMOutputWithPast(loss=step_loss_from_sum(context, local_sum, shift_labels), logits=None)
 
     return forward
 

@@ -115,15 +115,15 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
     recipes: dict[tuple[int, int], Any] = {}  # (rank, sp) -> this mixer's head slicing (or None), built once
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        group = context.exchange_group
-        if context.plain or context.shard is None or dist.get_world_size(group) == 1:
+        group = context.ulysses_group
+        if context.plain or context.shard_info is None or dist.get_world_size(group) == 1:
             return original(module, *args, **kwargs)
         args, kwargs, hidden = _take_hidden(args, kwargs)
         for name in _MASK_NAMES:  # a padding mask of the shard: right padding needs none (the mixers are causal)
             if isinstance(kwargs.get(name), torch.Tensor):
                 kwargs[name] = None
         full = gather_sequence_differentiable(hidden, group)  # [B, S, H]
-        shard = context.shard
+        shard = context.shard_info
         rank, sp, s = dist.get_rank(group), dist.get_world_size(group), hidden.shape[1]
         if (rank, sp) not in recipes:
             recipes[(rank, sp)] = head_slicing(module, rank, sp, group, hidden.device)

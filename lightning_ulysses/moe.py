@@ -45,7 +45,7 @@ def exact_load_balancing_loss(models: list[nn.Module], context: StepContext) -> 
             continue
 
         def sp_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None, _original=original):
-            if context.plain or not context.in_step or context.shard is None:
+            if context.plain or not context.in_step or context.shard_info is None:
                 return _original(gate_logits, num_experts, top_k, attention_mask)
             return sequence_parallel_load_balancing_loss(gate_logits, num_experts, top_k, context)
 
@@ -79,8 +79,8 @@ def sequence_parallel_load_balancing_loss(gate_logits: Any, num_experts: Optiona
         probabilities = probabilities + (routing * mask[:, None]).sum(dim=0)
         rows = rows + mask.sum()
     totals = torch.cat([assignments, probabilities.detach(), rows[None]]).double()  # [2E + 1]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(context.loss_group) > 1:
-        dist.all_reduce(totals, group=context.loss_group)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)  # [2E + 1] over every rank (DP × SP): the router loss of the global batch
     n = totals[-1].clamp(min=1.0)
     share_of_assignments = (totals[:num_experts] / n).float()  # f_e, global
     mean_probability = (totals[num_experts:2 * num_experts] / n).float()  # P_e, global

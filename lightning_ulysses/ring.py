@@ -1,12 +1,8 @@
 """The ring part of hybrid Ulysses × ring sequence parallelism (USP): attention across ring groups.
 
-With ``sp_size = ring_size × ulysses_size`` the SP group is a ``ring × ulysses`` grid, Ulysses innermost (a
-Ulysses group is ``ulysses_size`` consecutive ranks, inside a node). Layout of the full (padded) sequence of
-``S`` tokens, cut into ``2R`` chunks of ``c = S / 2R`` (``R = ring_size``, ``U = ulysses_size``):
-
-* ring rank ``i`` owns chunks ``i`` and ``2R-1-i`` ("zigzag"): ``L = S/R`` tokens, so every ring rank has the same
-  causal work (an early and a late chunk);
-* inside the ring rank's Ulysses group those ``L`` tokens are cut into ``U`` contiguous shards of ``s = S/(R·U)``.
+With ``sp_size = ring_size × ulysses_size`` the SP group is a ``ring × ulysses`` grid, Ulysses innermost; ring
+rank ``i`` owns chunks ``i`` and ``2R-1-i`` of the ``2R`` chunks of ``c = S / 2R`` tokens (the zigzag layout of
+:mod:`lightning_ulysses.geometry`, ``R = ring_size``), ``L = S/R`` tokens cut over its Ulysses group.
 
 Around attention the Ulysses all-to-all gives each rank its ring rank's ``L`` tokens for ``H/U`` heads. Ring
 attention then passes the key/value blocks around the ring group point to point (``R - 1`` passes forward), and
@@ -26,31 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-
-def padded_length(seq_len: int, ring_size: int, ulysses_size: int) -> int:
-    """``S`` padded to a multiple of ``2 × ring_size × ulysses_size`` (``2·ring_size`` chunks, each cut evenly by
-    ``ulysses_size``); with ``ring_size = 1`` to a multiple of ``ulysses_size``."""
-    unit = ulysses_size * (2 * ring_size if ring_size > 1 else 1)
-    return -(-seq_len // unit) * unit
-
-
-def shard_index(padded_len: int, ring_size: int, ulysses_size: int, ring_rank: int, ulysses_rank: int) -> torch.Tensor:
-    """``[s]`` global positions (indices into the padded sequence) that SP rank ``(ring_rank, ulysses_rank)`` holds."""
-    if ring_size == 1:
-        s = padded_len // ulysses_size
-        return torch.arange(ulysses_rank * s, (ulysses_rank + 1) * s)
-    c = padded_len // (2 * ring_size)
-    mine = torch.cat([torch.arange(ring_rank * c, (ring_rank + 1) * c),
-                      torch.arange((2 * ring_size - 1 - ring_rank) * c, (2 * ring_size - ring_rank) * c)])  # [2c]
-    s = 2 * c // ulysses_size
-    return mine[ulysses_rank * s:(ulysses_rank + 1) * s]
-
-
-def full_order(padded_len: int, ring_size: int, ulysses_size: int) -> torch.Tensor:
-    """``[S]``: for the concatenation of all SP ranks' shards in SP-rank order, the global position of each entry
-    (to put gathered shards back in sequence order: ``full[:, order] = gathered``)."""
-    return torch.cat([shard_index(padded_len, ring_size, ulysses_size, r, u)
-                      for r in range(ring_size) for u in range(ulysses_size)])
+from lightning_ulysses.geometry import zigzag_positions
 
 
 def _ring_peers(group: dist.ProcessGroup) -> tuple[int, int]:
@@ -75,12 +47,6 @@ def _pass_around(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[
     for request in requests:
         request.wait()
     return received
-
-
-def _zigzag_positions(rank: int, R: int, c: int, device: torch.device) -> torch.Tensor:
-    """``[2c]`` global positions of ring rank ``rank``'s tokens: chunk ``rank`` then chunk ``2R-1-rank``."""
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
-                      torch.arange((2 * R - 1 - rank) * c, (2 * R - rank) * c, device=device)])
 
 
 def causal_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -336,7 +302,7 @@ class _RingAttention(torch.autograd.Function):
         kernel_dtype = q.dtype if kernel != "matmul" else (torch.float64 if q.dtype == torch.float64 else torch.float32)
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         qk = q.to(kernel_dtype)
-        q_pos = _zigzag_positions(i, R, c, q.device)
+        q_pos = zigzag_positions(i, R, c, q.device)
         acc = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
         acc_lse = torch.full((B, hq, L), float("-inf"), dtype=acc_dtype, device=q.device)
         block_k, block_v = k, v
@@ -345,7 +311,7 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < R:  # the next block travels while this one is computed
                 requests, (next_k, next_v) = _start_pass([block_k, block_v], group)
             kx, vx = _expand_heads(block_k, groups, kernel_dtype), _expand_heads(block_v, groups, kernel_dtype)
-            k_pos = _zigzag_positions(owner, R, c, q.device)
+            k_pos = zigzag_positions(owner, R, c, q.device)
             for qs, ks, causal, mask in _sub_blocks(q_pos, k_pos, c, window, documents):
                 out_b, lse_b = _block_forward(qk[:, :, qs], kx[:, :, ks], vx[:, :, ks], causal, mask, scale, kernel)
                 _merge(acc[:, :, qs], acc_lse[:, :, qs], out_b, lse_b.to(acc_dtype))
@@ -371,7 +337,7 @@ class _RingAttention(torch.autograd.Function):
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         qk, dout = q.to(kernel_dtype), grad_out.to(kernel_dtype)
         lse = lse.to(torch.float32) if kernel_dtype != torch.float64 else lse
-        q_pos = _zigzag_positions(i, R, c, q.device)
+        q_pos = zigzag_positions(i, R, c, q.device)
         dq = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
         block_k, block_v = k, v
         grads_in_flight = None  # (requests, [dk, dv]) of the block arriving next
@@ -384,7 +350,7 @@ class _RingAttention(torch.autograd.Function):
             kx, vx = _expand_heads(block_k, groups, kernel_dtype), _expand_heads(block_v, groups, kernel_dtype)
             dk_x = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
             dv_x = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
-            k_pos = _zigzag_positions(owner, R, c, q.device)
+            k_pos = zigzag_positions(owner, R, c, q.device)
             for qs, ks, causal, mask in _sub_blocks(q_pos, k_pos, c, window, documents):
                 dq_b, dk_b, dv_b = _block_backward(dout[:, :, qs], qk[:, :, qs], kx[:, :, ks], vx[:, :, ks],
                                                    out[:, :, qs], lse[:, :, qs], causal, mask, scale, kernel)

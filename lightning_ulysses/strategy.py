@@ -1,14 +1,13 @@
 """``UlyssesDeepSpeedStrategy``: Lightning's DeepSpeed strategy plus Ulysses sequence parallelism. Glue only: the
-layout, the attention exchange, the data path and the loss live in their own modules."""
+layout, the attention exchange, the data path and the loss live in their own modules; the strategy's hooks for
+loaders (:mod:`~lightning_ulysses.loader_hooks`), checkpoints (:mod:`~lightning_ulysses.checkpoint_hooks`), the
+DeepSpeed engine (:mod:`~lightning_ulysses.engine_setup`) and the step API of a ``training_step``
+(:mod:`~lightning_ulysses.step_api`) are mixed in from theirs."""
 
 from __future__ import annotations
 
-import argparse
-import os
-import time
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
-from typing import Any, Generator, Optional, Sequence, Union
+from typing import Any, Generator, Optional, Sequence
 
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
@@ -16,22 +15,19 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_ulysses import calls, generation
-from lightning_ulysses import checkpoint as _checkpoint
-from lightning_ulysses import building, hf, hf_attention, memory, moe, refusals, resharding
-from lightning_ulysses.agreement import SPAgreement, sampler_split_error
+from lightning_ulysses import building, calls, generation, hf, hf_attention, memory, moe, refusals
+from lightning_ulysses.agreement import SPAgreement
 from lightning_ulysses.attention import ModuleSelector, find_attention_cores, unwrap_attention_core, wrap_attention_core
-from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo, StepContext
-from lightning_ulysses.data import automatic_batching_off_error, install_sharding_collate
-from lightning_ulysses.loaders import StepStateQueue, prepare_loader, restore_loader
+from lightning_ulysses.checkpoint_hooks import CheckpointHooks
+from lightning_ulysses.context import ShardInfo, StepContext
+from lightning_ulysses.engine_setup import DeepSpeedEngineSetup, use_deepspeed_cpu_accelerator
+from lightning_ulysses.geometry import SequenceGeometry
 from lightning_ulysses.layout import (
     SequenceParallelLayout,
     node_spanning_warning,
@@ -39,17 +35,15 @@ from lightning_ulysses.layout import (
     validate_ring_size,
     validate_sp_size,
 )
-from lightning_ulysses.loss import (
-    broadcast_token_weights,
-    scale_gradient,
-    step_cross_entropy,
-    step_token_mean,
-    whole_loss_gradient_factor,
-)
+from lightning_ulysses.loader_hooks import LoaderHooks
+from lightning_ulysses.loaders import ShardInfoQueue, restore_loader
+from lightning_ulysses import loss as loss_module
+from lightning_ulysses.loss import scale_gradient, whole_loss_gradient_factor
 from lightning_ulysses.outputs import gather_sequence_outputs
+from lightning_ulysses.step_api import StepAPI
 
 
-class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
+class UlyssesDeepSpeedStrategy(StepAPI, LoaderHooks, CheckpointHooks, DeepSpeedEngineSetup, DeepSpeedStrategy):
     """DeepSpeed ZeRO training with Ulysses sequence parallelism (DeepSpeed Ulysses / ALST) for long sequences.
 
     Each sequence is split across ``sp_size`` ranks: every rank holds ``S / sp_size`` tokens with all heads, and
@@ -59,8 +53,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     What the strategy does, with no change to the LightningModule:
 
-    * builds a DP×SP :class:`~torch.distributed.device_mesh.DeviceMesh` (dims ``("dp", "sp")``, SP innermost so an
-      SP group stays inside a node), reachable as ``strategy.device_mesh`` and ``LightningModule.device_mesh``;
+    * builds a :class:`~torch.distributed.device_mesh.DeviceMesh` with dims ``("dp", "ring", "ulysses")`` and
+      ``"sp"`` = ``ring × ulysses`` flattened (SP innermost so an SP group stays inside a node), reachable as
+      ``strategy.device_mesh`` and ``LightningModule.device_mesh`` (``mesh["dp", "sp"]``: the DP × SP view);
     * hands DeepSpeed the SP groups, so ZeRO's batch arithmetic uses dp while gradients reduce over all ranks;
     * switches every Hugging Face ``PreTrainedModel`` in the LightningModule to Ulysses attention (``sdpa``,
       ``flash_attention_2/3`` or ``flex_attention``) and to a loss whose value is the full-sequence loss;
@@ -70,9 +65,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     Runs on CUDA (nccl) and on CPU (gloo, DeepSpeed's CPU accelerator).
 
     Args:
-        sp_size: Ranks per sequence-parallel group. Must divide the world size (``num_nodes × devices``), the number
-            of attention heads, and divide or be a multiple of the number of KV heads. ``None``: the number of
-            devices per node (SP inside each node, DP across nodes).
+        sp_size: Ranks per sequence-parallel group. Must divide the world size (``num_nodes × devices``) and, with
+            ``ring_size``, leave at least one attention head per Ulysses rank (``sp_size / ring_size <= heads``;
+            uneven head splits work, the busiest rank sets the pace). ``None``: the number of devices per node (SP
+            inside each node, DP across nodes).
         sdpa_per_document: With ``attn_implementation="sdpa"``, rows that pack several documents run attention
             once per document (exact, no ``[S, S]`` mask; a Python loop, slow with many short documents). Off: such
             batches raise, since plain SDPA would let documents attend to each other. ``flash_attention_2/3``
@@ -108,8 +104,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             ``sp_size / ring_size`` Ulysses ranks (consecutive ranks, so a Ulysses group stays inside a node).
             Attention exchanges heads over the Ulysses ranks, then attends across the ring groups (key/value blocks
             passed around the ring point to point, load-balanced zigzag sequence layout). Lifts the head limit: only
-            ``sp_size / ring_size`` must fit the heads. 1 (default): Ulysses only. Needs ``sdpa``; one document
-            per row.
+            ``sp_size / ring_size`` must fit the heads. 1 (default): Ulysses only. Any attention implementation
+            (the ring runs its own block kernels); packed documents are kept apart.
         **kwargs: Every argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` (``stage``,
             ``offload_optimizer``, ``config``, ...).
     """
@@ -148,7 +144,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self.check_sp_agreement = check_sp_agreement
         self.verify_checkpoints = verify_checkpoints
         self._agreement: Optional[SPAgreement] = None
-        self._step_queues: dict[str, StepStateQueue] = {}
+        self._step_queues: dict[str, ShardInfoQueue] = {}
         self._prepared_loaders: list[Any] = []  # given their own collate functions back in teardown
         self._own_model_roots: list[Module] = []
         self._patches = ExitStack()  # process-global patches held while models are prepared (closed in teardown)
@@ -171,7 +167,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The ``("dp", "sp")`` device mesh."""
+        """The ``("dp", "ring", "ulysses")`` device mesh; ``device_mesh["sp"]`` is the SP dimension and
+        ``device_mesh["dp", "sp"]`` the DP × SP view."""
         return self.layout.mesh
 
     @property
@@ -194,11 +191,11 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def setup_environment(self) -> None:
         validate_sp_size(self.sp_size, self.num_nodes * self.num_processes)
         validate_ring_size(self.ring_size, self.sp_size)
-        ulysses = self.sp_size // self.ring_size  # the all-to-all group; ring traffic may cross nodes
+        ulysses = SequenceGeometry(self.sp_size, self.ring_size).ulysses_size  # all-to-all group; ring may cross nodes
         if sp_groups_span_nodes(ulysses, self.num_processes, self.num_nodes):
             rank_zero_warn(node_spanning_warning(ulysses, self.num_processes, self.num_nodes, self.ring_size))
         if isinstance(self.accelerator, CPUAccelerator):
-            _use_deepspeed_cpu_accelerator()
+            use_deepspeed_cpu_accelerator()
         # Lightning's DeepSpeedStrategy refuses anything but CUDA; the DDP setup underneath works for CPU/gloo too.
         DDPStrategy.setup_environment(self)
         if self._layout is None:
@@ -271,13 +268,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         accumulation = int(self.config.get("gradient_accumulation_steps", 1))
         self._context = StepContext(
             sp_group=self.sp_group,
-            loss_group=None,  # every rank: the loss is token-weighted over the global batch
             grad_scale=float(self.dp_size * self.sp_size),  # SP losses act as terms replicated on every rank
             loss_scale=whole_loss_gradient_factor(self.config, self.sp_size, self.dp_size, accumulation),
             accumulation=accumulation,
             sdpa_per_document=self.sdpa_per_document,
             ulysses_group=self.layout.ulysses_group,
             ring_group=self.layout.ring_group,
+            ring_size=self.ring_size,
             incoming_gradients=[],
             zero_stage_3=self.zero_stage_3,
         )
@@ -289,7 +286,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._patches.enter_context(moe.exact_load_balancing_loss(models, self._context))
         self._prepared_models = models
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._switch_to_train_mode(models)
+            self._saved_modes.extend(building.train_mode_for_fit(models))
         for core in cores:
             wrap_attention_core(core, self.sp_group)
         self._wrapped_cores = cores
@@ -298,151 +295,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         self._own_model_roots = calls.position_taking_roots(self.lightning_module, cores)
         for root in self._own_model_roots:
             calls.install_call_completion(root, self._context, hf_model=False)
-
-    def _switch_to_train_mode(self, models: list[Module]) -> None:
-        """``from_pretrained`` returns models in eval mode and Lightning keeps submodule modes: without this, fit
-        would silently run such a model without gradient checkpointing and dropout. Undone in ``teardown``."""
-        for model in models:
-            modes = building.switch_to_train_mode(model)
-            if modes:
-                rank_zero_info(
-                    f"UlyssesDeepSpeedStrategy: {type(model).__name__} was in eval mode (as `from_pretrained` returns"
-                    " models); it trains in train mode (dropout, gradient checkpointing on) and gets its modes back"
-                    " after fit. To keep parts frozen in eval mode, call `.eval()` on those submodules only."
-                )
-            self._saved_modes.extend(modes)
-
-    @property
-    def step_context(self) -> StepContext:
-        """What the prepared models' attention and loss read during the current step."""
-        if self._context is None:
-            raise RuntimeError("The step context exists once the Trainer has set up the strategy.")
-        return self._context
-
-    def shard_positions(self, shard_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
-        """Global positions ``[shard_len]`` of this rank's sequence shard (for rotary/absolute position embeddings
-        of your own model; batches from the strategy's loaders also carry them as ``position_ids``)."""
-        if self.ring_size > 1:
-            raise RuntimeError("shard_positions: with ring_size > 1 the shard is not contiguous; use the batch's"
-                               " position_ids.")
-        start = self.sp_rank * shard_len
-        return torch.arange(start, start + shard_len, device=device or self.root_device)
-
-    @property
-    def current_shard(self) -> Optional[ShardInfo]:
-        """Facts about the full batch of the current step (length before padding, packed documents)."""
-        return self._context.shard if self._context is not None else None
-
-    @property
-    def prepared_models(self) -> list[Module]:
-        """The Hugging Face models the strategy switched to Ulysses attention (during fit/validate/test/predict)."""
-        return list(self._prepared_models)
-
-    def token_losses(self) -> torch.Tensor:
-        """Per-token cross-entropy ``[B, s]`` of this rank's shard from the last forward pass of a prepared model
-        run without gradients (``validation_step``/``test_step``/``predict_step``), fp32, 0 where there is no
-        target. Works with ``tiled_loss`` (no full logits). Pair it with the batch's ``position_ids`` and
-        ``shift_labels`` (e.g. :class:`lightning_ulysses.PositionalLoss`)."""
-        return self._token_stats()[0]
-
-    def token_correct(self) -> torch.Tensor:
-        """``[B, s]`` bool: whether the argmax of each position's logits is its target (see :meth:`token_losses`)."""
-        return self._token_stats()[1]
-
-    def _token_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        stats = self._context.token_stats if self._context is not None else None
-        if stats is None:
-            raise RuntimeError(
-                "No per-token losses recorded for this step: they come from the loss of a prepared Hugging Face"
-                " model's forward pass with labels, run without gradients (validation/test/predict). Call"
-                " `self.model(**batch)` with the batch's labels first."
-            )
-        return stats
-
-    @torch.no_grad()
-    def evaluate_full_batch(self, model: Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run a prepared model on a FULL batch (``input_ids`` ``[B, S]``, ``labels``; the same on every rank of the
-        SP group) outside the Trainer's loops, e.g. from a callback: the batch is cut into this rank's shard, the
-        model runs sequence-parallel without gradients, and this rank's shard statistics come back:
-        ``{"loss": [B, s], "correct": [B, s], "shift_labels": [B, s], "position_ids": [B, s]}``. Every rank of the
-        world must call it the same number of times (the loss reduces over all ranks)."""
-        from lightning_ulysses.data import shard_batch
-
-        shard = shard_batch(batch, self.sp_size, self.sp_rank, self._pad_token_id(), ring_size=self.ring_size)
-        info = shard.pop(SHARD_INFO_KEY)
-        context = self.step_context
-        previous = context.shard, context.tile_shard_len, context.token_stats, context.in_step
-        context.shard, context.tile_shard_len, context.token_stats = info, self._agreed_tile_shard_len(info), None
-        context.in_step = True
-        try:
-            shard = {k: v.to(self.root_device) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
-            model(**shard)
-            losses, correct = self._token_stats()
-        finally:
-            context.shard, context.tile_shard_len, context.token_stats, context.in_step = previous
-        return {"loss": losses, "correct": correct, "shift_labels": shard["shift_labels"],
-                "position_ids": shard["position_ids"]}
-
-    def cross_entropy(self, logits: torch.Tensor, shift_labels: torch.Tensor,
-                      weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Mean next-token cross-entropy over the batch's target tokens from this rank's ``[B, s, V]`` logits and
-        ``[B, s]`` ``shift_labels``, for a ``training_step`` that computes its own loss. Same value on every rank,
-        the single-device value; exact gradients at every ZeRO stage and with gradient accumulation.
-
-        ``weight``: ``[B]`` per-sample or ``[B, s]`` per-target weights (aligned with ``shift_labels``; for weights
-        given per input token use :meth:`next_token_values`): the loss is then ``sum(w · ce) / sum(w)`` over the
-        target tokens of the whole batch, as ``(ce * w).sum() / w.sum()`` on one device."""
-        return step_cross_entropy(self.step_context, logits, shift_labels, weight=weight)
-
-    def token_mean(self, values: torch.Tensor, weights: Optional[torch.Tensor] = None,
-                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Weighted mean of per-token ``values`` ``[B, s]`` over the whole batch (every rank's shard): the value a
-        single device computes as ``(values * w).sum() / w.sum()`` on the full batch, the same number on every rank,
-        with exact gradients. Use it for every per-token term of a loss (auxiliary losses on logits or hidden states,
-        weighted token losses): a mean over this rank's shard would be a different function on every rank.
-
-        Args:
-            values: ``[B, s]`` per-token values of this rank's shard (e.g. ``F.cross_entropy(..., reduction="none")``
-                against ``batch["shift_labels"]``, or ``logits.logsumexp(-1) ** 2``).
-            weights: ``[B]`` per-sample or ``[B, s]`` per-token weights; ``None``: 1.
-            mask: ``[B, s]`` which positions count; ``None``: the step's target tokens (``shift_labels != -100``),
-                or, if the batch has no labels, its real tokens (no padding).
-
-        With gradient accumulation the mean is taken per micro-batch, and the micro-batches are averaged as Lightning
-        averages them on one device."""
-        context = self.step_context
-        shard = context.shard
-        if shard is None or shard.shard_shape is None:
-            raise RuntimeError("token_mean is for use inside a step, on tensors of this rank's shard.")
-        if tuple(values.shape[:2]) != shard.shard_shape:
-            raise ValueError(f"token_mean: values must be [B, s] = {list(shard.shard_shape)} (this rank's shard),"
-                             f" got {list(values.shape)}.")
-        if mask is None:
-            mask = self._default_token_mask(shard)
-        w = mask.to(values.device).float()
-        if weights is not None:
-            w = w * broadcast_token_weights(weights, values)
-        return step_token_mean(context, values, w)
-
-    def _default_token_mask(self, shard: ShardInfo) -> torch.Tensor:
-        if self._step_shift_labels is not None:
-            return self._step_shift_labels != -100
-        real = torch.ones(shard.shard_shape, dtype=torch.bool)  # type: ignore[arg-type]
-        if shard.attention_mask is not None:
-            real &= shard.attention_mask.bool()
-        real &= shard.global_index[None, :] < shard.seq_len  # not the padding to the SP multiple
-        return real
-
-    def next_token_values(self, values: torch.Tensor, fill: Any = 0) -> torch.Tensor:
-        """``[B, s, ...]`` -> ``[B, s, ...]``: at every position of this rank's shard, the value at the next position of
-        the full sequence (``fill`` after the last one), across shard boundaries: what ``values[:, 1:]`` is on one
-        device. For per-token tensors of the batch that must line up with the targets, e.g. token weights:
-        ``strategy.cross_entropy(logits, batch["shift_labels"], weight=strategy.next_token_values(batch["w"]))``.
-        One all-gather of ``[B, 1 or 2, ...]`` over the SP group; every SP rank must call it."""
-        shard = self.step_context.shard
-        if shard is None or shard.halo is None:
-            raise RuntimeError("next_token_values is for use inside a step, on tensors of this rank's shard.")
-        return calls.next_token_values(values, shard, self.sp_group, fill)
 
     # ----------------------------------------------------------------------------------------------- steps
     def _begin_step(self, kind: str, batch: Any = None) -> None:
@@ -470,7 +322,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
                 if not hf_attention.keeps_documents_apart(impl, self.sdpa_per_document):
                     raise ValueError(hf_attention.packed_documents_error(impl))
         if self._context is not None:
-            self._context.shard = shard
+            self._context.shard_info = shard
             self._context.tile_shard_len = self._agreed_tile_shard_len(shard)
             self._context.token_stats = None
 
@@ -524,16 +376,13 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         local_shape = tuple(batch["input_ids"].shape[:2]) if isinstance(batch, dict) and "input_ids" in batch else None
         with self._step("predict", batch):
             output = super().predict_step(*args, **kwargs)
-        if not self.gather_predictions or local_shape is None or self.current_shard is None:
+        if not self.gather_predictions or local_shape is None or self.current_shard_info is None:
             return output
         order = None
-        if self.ring_size > 1:
-            from lightning_ulysses.ring import full_order, padded_length
-
-            ulysses = self.sp_size // self.ring_size
-            order = full_order(padded_length(self.current_shard.seq_len, self.ring_size, ulysses), self.ring_size,
-                               ulysses)
-        return gather_sequence_outputs(output, local_shape, self.current_shard.seq_len, self.sp_group, order)
+        if self.ring_size > 1:  # the shards are zigzag pieces: put the gathered ones back in sequence order
+            geometry = self.layout.geometry
+            order = geometry.full_order(geometry.padded_length(self.current_shard_info.seq_len))
+        return gather_sequence_outputs(output, local_shape, self.current_shard_info.seq_len, self.sp_group, order)
 
     @property
     @override
@@ -576,7 +425,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             super().backward(scaled, optimizer, *args, **kwargs)
         except RuntimeError as err:
             if self.zero_stage_3 and "invalid gradient" in str(err) and "got [0]" in str(err):
-                raise ValueError(zero3_parameters_outside_forward_error()) from err
+                raise ValueError(loss_module.zero3_parameters_outside_forward_error()) from err
             raise
         finally:
             context.incoming_gradients = []  # for the next forward pass
@@ -584,205 +433,6 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             step = self.lightning_module.trainer.global_step
             self._agreement.verify_loss(value, received, where=f"training step at global step {step}")
         return closure_loss
-
-    @override
-    def _setup_model_and_optimizer(
-        self,
-        model: Module,
-        optimizer: Optional[Optimizer],
-        lr_scheduler: Optional[Union[LRScheduler, ReduceLROnPlateau]] = None,
-    ) -> tuple[Any, Optimizer]:
-        import deepspeed
-
-        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
-        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-            args=self._deepspeed_args(),
-            config=self.config,
-            model=model,
-            model_parameters=model_parameters,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-            mpu=self.layout.deepspeed_mpu(),
-        )
-        return engine, deepspeed_optimizer
-
-    @override
-    def _initialize_deepspeed_inference(self, model: Module) -> None:
-        import deepspeed
-        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
-
-        assert isinstance(self.config, dict)
-        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
-        for key in ("fp16", "bf16"):
-            if key in self.config:
-                inference_config[key] = self.config[key]
-        if self.zero_stage_3:
-            inference_config["zero_allow_untested_optimizer"] = self.config["zero_allow_untested_optimizer"]
-            inference_config["zero_optimization"] = self.config["zero_optimization"]
-        remove_module_hooks(model)
-        self.model, _, _, _ = deepspeed.initialize(
-            args=self._deepspeed_args(),
-            config=inference_config,
-            model=model,
-            optimizer=None,
-            lr_scheduler=None,
-            model_parameters=[],
-            dist_init_required=False,
-            mpu=self.layout.deepspeed_mpu(),
-        )
-
-    def _deepspeed_args(self) -> argparse.Namespace:
-        # Lightning passes root_device.index, which is None on CPU and breaks DeepSpeed's rank arithmetic.
-        index = self.root_device.index
-        return argparse.Namespace(device_rank=self.local_rank if index is None else index)
-
-    # ----------------------------------------------------------------------------------------------- data
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)
-        self._check_sampler(dataloader)
-        self._seed_workers_by_dp_rank(dataloader)
-        fingerprint = self._agreement is not None
-        dataloader = install_sharding_collate(dataloader, self.sp_size, self.sp_rank, self._pad_token_id(),
-                                              fingerprint=fingerprint, ring_size=self.ring_size)
-        self._prepared_loaders.append(dataloader)  # its collate function is given back in teardown
-        accumulation = self._context.accumulation if self._context is not None else 1
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        kind = _loader_kind(trainer)
-        on_exhausted = None
-        if self._agreement is not None:
-            agreement = self._agreement
-            on_exhausted = lambda: agreement.verify_end_of_data(where=f"end of the {kind} data")  # noqa: E731
-        dataloader = prepare_loader(dataloader, self._step_queues.setdefault(kind, StepStateQueue()),
-                                    train=kind == "train", accumulation=accumulation,
-                                    epoch_batches=self._batches_in_epoch, on_position_change=self._continue_epoch_at,
-                                    on_exhausted=on_exhausted)
-        return dataloader
-
-    def _continue_epoch_at(self, batch: int) -> None:
-        """A resume with another global batch continues the epoch at ``batch`` of this run's batches: Lightning's
-        count of the epoch's batches (restored from the checkpoint in the saving run's batches) follows, so the
-        epoch ends with the loader."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is None:
-            return
-        current = trainer.fit_loop.epoch_loop.batch_progress.current
-        shift = batch - current.ready  # keep the saved counts' differences (a save inside the batch's end hooks)
-        current.ready, current.started = current.ready + shift, current.started + shift
-        current.processed, current.completed = current.processed + shift, current.completed + shift
-
-    def _check_sampler(self, dataloader: Any) -> None:
-        """All ranks of an SP group must read the same samples: refuse a DistributedSampler split over the world."""
-        sampler = getattr(dataloader, "sampler", None)
-        batch_sampler = getattr(dataloader, "batch_sampler", None)
-        for candidate in (sampler, getattr(batch_sampler, "sampler", None)):
-            message = sampler_split_error(candidate, self.dp_size, self.dp_rank, self.sp_size)
-            if message is not None:
-                raise ValueError(message)
-
-    def _seed_workers_by_dp_rank(self, dataloader: Any) -> None:
-        """``seed_everything(workers=True)`` makes Lightning seed DataLoader workers by the *global* rank, so SP peers
-        would draw different random crops; seed them by the data-parallel rank instead (SP peers alike, replicas
-        apart; with ``sp_size=1`` this is Lightning's seeding)."""
-        if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", 0) is None:
-            from functools import partial
-
-            from lightning.fabric.utilities.seed import pl_worker_init_function
-
-            dataloader.worker_init_fn = partial(pl_worker_init_function, rank=self.dp_rank)
-
-    @override
-    def _auto_select_batch_size(self) -> int:
-        # Lightning reads `train_dataloader.batch_sampler.batch_size`, an AttributeError for an unbatched loader.
-        data_source = self.lightning_module.trainer.fit_loop._data_source
-        if data_source.is_defined():
-            loader = data_source.dataloader()
-            if isinstance(loader, DataLoader) and loader.batch_sampler is None:
-                raise ValueError(automatic_batching_off_error())
-        return super()._auto_select_batch_size()
-
-    def _batches_in_epoch(self) -> float:
-        """How many batches Lightning takes from the train loader this epoch (``limit_train_batches`` applied)."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        return float(trainer.num_training_batches) if trainer is not None else float("inf")
-
-    def _pad_token_id(self) -> int:
-        for model in self._prepared_models:
-            pad = getattr(model.config, "pad_token_id", None)
-            if pad is not None:
-                return int(pad)
-        return 0
-
-    # ----------------------------------------------------------------------------------------------- checkpoints
-    @override
-    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Lightning's DeepSpeed checkpoint (a directory; every rank writes its shard), marked complete only once every
-        rank has written, with the layout and the Hugging Face models recorded (see
-        :mod:`lightning_ulysses.checkpoint`)."""
-        if storage_options is not None:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)  # raises Lightning's TypeError
-        filepath = self.broadcast(filepath)
-        assert isinstance(self.config, dict)
-        record = {
-            "world_size": self.world_size, "sp_size": self.sp_size, "dp_size": self.dp_size,
-            "zero_stage": self._zero_stage,
-            "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
-        }
-        if self.is_global_zero:
-            _checkpoint.begin_checkpoint(filepath, record)  # before DeepSpeed's barrier: no rank has written yet
-        hf_models = _checkpoint.hf_model_records(self.lightning_module) if self.lightning_module is not None else {}
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        checkpoint = dict(checkpoint)
-        if trainer is not None and not trainer.training:  # after fit: an epoch cut short by max_steps stays open
-            _checkpoint.continue_truncated_epoch(checkpoint, trainer.num_training_batches)
-        checkpoint = {**checkpoint, _checkpoint.CLIENT_STATE_KEY: {**record, "hf_models": hf_models}}
-        super().save_checkpoint(checkpoint, filepath)  # ends with DeepSpeed's barrier: every rank's files are written
-        digests = (_checkpoint.hash_files_over_ranks(filepath, self.global_rank, self.world_size, self.broadcast)
-                   if self.verify_checkpoints else None)
-        if self.is_global_zero:
-            _checkpoint.commit_checkpoint(filepath, record, digests)
-        self.barrier("ulysses_checkpoint_commit")
-
-    @property
-    def _zero_stage(self) -> int:
-        assert isinstance(self.config, dict)
-        return int(self.config.get("zero_optimization", {}).get("stage", 0))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if os.path.isdir(checkpoint_path):
-            # Incomplete or corrupt checkpoints, other world sizes and (when resuming) other ZeRO stages fail here,
-            # before DeepSpeed reads anything.
-            trainer = getattr(self.lightning_module, "_trainer", None)
-            resuming = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-            marker = _checkpoint.validate_for_loading(checkpoint_path, self.world_size,
-                                                      self._zero_stage if resuming else None)
-            if marker is not None and self.verify_checkpoints:
-                _checkpoint.verify_digests_over_ranks(checkpoint_path, self.global_rank, self.world_size)
-            saved = (marker or {}).get("world_size"), (marker or {}).get("zero_stage")
-            if None not in saved and saved != (self.world_size, self._zero_stage) and min(saved[1], self._zero_stage) > 0:
-                return self._load_on_another_layout(checkpoint_path, marker, resuming)
-        with _checkpoint.zero3_inference_loading(self.deepspeed_engine if self.zero_stage_3 else None):
-            return super().load_checkpoint(checkpoint_path, weights_only)
-
-    def _load_on_another_layout(self, checkpoint_path: Any, marker: dict, resuming: bool) -> dict[str, Any]:
-        """A ZeRO checkpoint of another number of ranks or ZeRO stage: the weights through DeepSpeed's loader, the
-        optimizer state re-partitioned for this run (:mod:`lightning_ulysses.resharding`)."""
-        assert self.lightning_module is not None
-        rank_zero_info(
-            f"{checkpoint_path} was saved by {marker['world_size']} ranks (dp={marker.get('dp_size')} ×"
-            f" sp={marker.get('sp_size')}, ZeRO {marker.get('zero_stage')}); loading it on {self.world_size}"
-            f" (dp={self.dp_size} × sp={self.sp_size}, ZeRO {self._zero_stage})"
-            + (", the optimizer state re-partitioned ..." if resuming else " ..."))
-        started = time.perf_counter()
-        with _checkpoint.zero3_inference_loading(self.deepspeed_engine if self.zero_stage_3 else None):
-            client_state = resharding.load_on_another_layout(self.deepspeed_engine, Path(checkpoint_path), marker,
-                                                             resuming, self.lightning_module.strict_loading)
-        if client_state is None:
-            raise ValueError(f"DeepSpeed could not load the model states of {checkpoint_path}.")
-        rank_zero_info(f"... loaded in {time.perf_counter() - started:.1f} s.")
-        return client_state
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
@@ -818,35 +468,3 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         for name, (description, init_params) in names.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, **init_params)
-
-
-def zero3_parameters_outside_forward_error() -> str:
-    return (
-        "A term of the training step's loss uses model parameters outside the model's forward under ZeRO stage 3,"
-        " where parameters are partitioned across the ranks (outside a forward pass each rank holds [0]-sized"
-        " placeholders), so its gradient cannot be formed; no weight was changed. For a weight regulariser"
-        " (`sum(p.pow(2).sum() for p in self.parameters())`) use the optimizer's `weight_decay`; compute other terms"
-        " inside the model's forward (e.g. a forward hook), or train with ZeRO stage 1 or 2."
-    )
-
-
-def _loader_kind(trainer: Any) -> str:
-    """Which step kind the loader being prepared feeds: "train", "validate" (also the sanity check), "test" or
-    "predict"."""
-    if trainer is None or trainer.training:
-        return "train"
-    if trainer.testing:
-        return "test"
-    if trainer.predicting:
-        return "predict"
-    return "validate"
-
-
-def _use_deepspeed_cpu_accelerator() -> None:
-    """Make DeepSpeed run on CPU when Lightning does, even on a machine whose CUDA DeepSpeed would pick."""
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        set_accelerator(CPU_Accelerator())

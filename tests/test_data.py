@@ -535,11 +535,11 @@ def test_next_token_sources_point_at_the_next_position_of_the_row(padded_len, sp
     """For every layout, the token after each run of every rank's shard is found where the plan says (and the
     last position of the row has none); every rank sends the same number of first tokens."""
     from lightning_ulysses.data import next_token_sources
-    from lightning_ulysses.ring import shard_index
+    from lightning_ulysses.geometry import SequenceGeometry
 
-    ulysses = sp // ring
-    index = {r: shard_index(padded_len, ring, ulysses, r // ulysses, r % ulysses) for r in range(sp)}
-    plans = {r: next_token_sources(padded_len, sp, ring, r) for r in range(sp)}
+    geometry = SequenceGeometry(sp, ring)
+    index = {r: geometry.shard_index(padded_len, r) for r in range(sp)}
+    plans = {r: next_token_sources(padded_len, geometry, r) for r in range(sp)}
     assert len({len(plan.starts) for plan in plans.values()}) == 1
     for r, plan in plans.items():
         for end, source in zip(plan.ends, plan.sources):
@@ -551,3 +551,33 @@ def test_next_token_sources_point_at_the_next_position_of_the_row(padded_len, sp
                 assert int(index[src_rank][plans[src_rank].starts[run]]) == following
         inside = [i for i in range(len(index[r]) - 1) if i not in plan.ends]
         assert all(int(index[r][i + 1]) == int(index[r][i]) + 1 for i in inside)
+
+
+# ----------------------------------------------------------------------------------------------- geometry
+@pytest.mark.parametrize("sp, ring", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2), (4, 4), (6, 3), (6, 2)])
+def test_geometry_cuts_every_padded_row_into_the_layouts_shards(sp, ring):
+    """Every position of the padded row is held by exactly one SP rank; Ulysses-only shards are contiguous in rank
+    order; with ring, ring rank i holds chunks i and 2R-1-i cut over its Ulysses ranks; full_order inverts the
+    rank-major concatenation."""
+    from lightning_ulysses.geometry import SequenceGeometry
+
+    geometry = SequenceGeometry(sp, ring)
+    for seq_len in (1, 7, 24, 37):
+        padded = geometry.padded_length(seq_len)
+        assert padded >= seq_len and padded % (sp * (2 if ring > 1 else 1)) == 0 and padded - seq_len < 2 * sp
+        shards = [geometry.shard_index(padded, r) for r in range(sp)]
+        assert sorted(torch.cat(shards).tolist()) == list(range(padded))
+        assert all(len(s) == padded // sp for s in shards)
+        if ring == 1:
+            assert torch.equal(torch.cat(shards), torch.arange(padded))
+        else:
+            c, u = padded // (2 * ring), sp // ring
+            for i in range(ring):
+                held = torch.cat(shards[i * u:(i + 1) * u]).tolist()
+                assert held == list(range(i * c, (i + 1) * c)) + list(range((2 * ring - 1 - i) * c,
+                                                                            (2 * ring - i) * c))
+        row = torch.arange(padded) * 10
+        gathered = torch.cat([row[s] for s in shards])
+        restored = torch.empty_like(row)
+        restored[geometry.full_order(padded)] = gathered
+        assert torch.equal(restored, row)

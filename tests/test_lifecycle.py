@@ -54,3 +54,37 @@ def test_second_trainer_trains_in_the_same_process(lifecycle):
         assert len(rank["second_fit_losses"]) == 2
         assert all(torch.isfinite(torch.tensor(rank["second_fit_losses"])))
     assert lifecycle[0]["second_fit_losses"] == lifecycle[1]["second_fit_losses"]
+
+
+# Lightning's private engine set-up methods as engine_setup.py copied them (lightning 2.6.x). A new digest means
+# Lightning changed the method: compare lightning_ulysses/engine_setup.py with it, then update the digest.
+LIGHTNING_ENGINE_SETUP_DIGESTS = {"_setup_model_and_optimizer": "d5b228d023b53b92",
+                                  "_initialize_deepspeed_inference": "44374170d2e2a741"}
+
+
+def test_engine_setup_follows_lightnings_private_methods():
+    """engine_setup.py's copies of Lightning's ``_setup_model_and_optimizer`` / ``_initialize_deepspeed_inference``
+    take the same arguments, pass ``deepspeed.initialize`` the same keywords plus ``mpu``, and were made from the
+    Lightning code installed now (its source digest)."""
+    import ast
+    import hashlib
+    import inspect
+    import textwrap
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_ulysses.engine_setup import DeepSpeedEngineSetup
+
+    def initialize_keywords(function) -> set:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and isinstance(node.func, ast.Attribute) and node.func.attr == "initialize"]
+        assert len(calls) == 1
+        return {keyword.arg for keyword in calls[0].keywords}
+
+    for name, digest in LIGHTNING_ENGINE_SETUP_DIGESTS.items():
+        theirs, ours = getattr(DeepSpeedStrategy, name), getattr(DeepSpeedEngineSetup, name)
+        source = textwrap.dedent(inspect.getsource(theirs))
+        assert hashlib.sha256(source.encode()).hexdigest()[:16] == digest, f"Lightning changed {name}"
+        assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters), name
+        assert initialize_keywords(ours) == initialize_keywords(theirs) | {"mpu"}, name

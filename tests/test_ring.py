@@ -73,6 +73,7 @@ def launched(tmp_path_factory):
         "collectives": ["collectives:run", {"layers": list(LAYERS), "kv_heads": 2, "stage": 2, "sp_size": 4,
                                         "ring_size": 2}],
         "realdata": ["realdata:run", {"cases": REALDATA}],
+        "layouts": ["ring:layout_groups", {"layouts": [(4, 2), (4, 4), (2, 1), (2, 2)]}],
     })
 
 
@@ -138,6 +139,25 @@ def test_collectives_per_attention_layer_at_2x2(launched, layers):
     assert counts[0]["forward"] == {"alltoall_base_": 2 * layers, "allreduce_": 1, "ring_passes": 1 * layers}
     assert counts[0]["backward"]["alltoall_base_"] == 2 * layers
     assert counts[0]["backward"]["ring_passes"] == 3 * layers
+
+
+def test_one_mesh_holds_every_group(launched):
+    """One ``("dp", "ring", "ulysses")`` mesh per layout, ``sp`` its flattened ``ring × ulysses``: SP groups of
+    consecutive ranks, Ulysses groups consecutive inside them, ring groups strided by the Ulysses size, DP across;
+    ``ring_size = 1`` is the same mesh with ring groups of one rank."""
+    expected = {  # (sp, ring): rank -> (sp group, ulysses group, ring group, dp group)
+        (4, 2): lambda r: ([0, 1, 2, 3], [r - r % 2, r - r % 2 + 1], [r % 2, r % 2 + 2], [r]),
+        (4, 4): lambda r: ([0, 1, 2, 3], [r], [0, 1, 2, 3], [r]),
+        (2, 1): lambda r: ([r - r % 2, r - r % 2 + 1], [r - r % 2, r - r % 2 + 1], [r], [r % 2, r % 2 + 2]),
+        (2, 2): lambda r: ([r - r % 2, r - r % 2 + 1], [r], [r - r % 2, r - r % 2 + 1], [r % 2, r % 2 + 2]),
+    }
+    for rank, result in enumerate(launched):
+        for key, groups in expected.items():
+            got = result["layouts"][key]
+            assert got["dims"] == ("dp", "ring", "ulysses") and got["dp_sp_dims"] == ("dp", "sp")
+            assert (got["sp"], got["ulysses"], got["ring"], got["dp"]) == groups(rank), (key, rank, got)
+            sp = key[0]
+            assert got["ranks"] == (rank // sp, rank % sp, 4 // sp)
 
 
 def test_right_padding_validation_and_predictions_with_ring(launched):

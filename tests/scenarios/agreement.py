@@ -148,7 +148,7 @@ class FullBatchRecorder(Callback):
         self.fingerprints: list[int] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.fingerprints.append(trainer.strategy.current_shard.fingerprint)  # the step's batch (set in the step)
+        self.fingerprints.append(trainer.strategy.current_shard_info.fingerprint)  # the step's batch (set in the step)
         self.loss_bits.append(outputs["loss"].detach().float().view(torch.int32).item())
 
 

@@ -17,7 +17,8 @@ class Module:
 
 def ring_alone(payload: dict) -> dict:
     from lightning_ulysses import ring
-    from lightning_ulysses.ring import ring_attention, shard_index
+    from lightning_ulysses.geometry import SequenceGeometry
+    from lightning_ulysses.ring import ring_attention
 
     block_kernel = ring.block_kernel
 
@@ -50,7 +51,7 @@ def ring_alone(payload: dict) -> dict:
         full = full.transpose(1, 2)  # [B, S, Hq, D]
         (full * grad_out).sum().backward()
         # this rank: its zigzag tokens
-        idx = shard_index(S, R, 1, rank, 0)
+        idx = SequenceGeometry(R, R).shard_index(S, rank)
         ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
         module = Module()
         module.num_key_value_groups = Hq // Hkv
@@ -68,3 +69,25 @@ def ring_alone(payload: dict) -> dict:
     ring.block_kernel = block_kernel
     dist.destroy_process_group()
     return results
+
+
+def layout_groups(payload: dict) -> dict:
+    """The device mesh and groups of :class:`SequenceParallelLayout` for each ``(sp_size, ring_size)`` of the
+    payload, as global ranks (every rank builds every layout: mesh creation is collective)."""
+    from lightning_ulysses.layout import SequenceParallelLayout
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    out = {}
+    for sp_size, ring_size in payload["layouts"]:
+        layout = SequenceParallelLayout.build("cpu", sp_size, ring_size)
+        out[(sp_size, ring_size)] = {
+            "dims": layout.mesh.mesh_dim_names,
+            "dp_sp_dims": layout.mesh["dp", "sp"].mesh_dim_names,
+            "sp": dist.get_process_group_ranks(layout.sp_group),
+            "ulysses": dist.get_process_group_ranks(layout.ulysses_group),
+            "ring": dist.get_process_group_ranks(layout.ring_group),
+            "dp": dist.get_process_group_ranks(layout.mesh.get_group("dp")),
+            "ranks": (layout.dp_rank, layout.sp_rank, layout.dp_size),
+        }
+    return out
