@@ -49,7 +49,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_ulysses import (PasskeyRetrieval, PositionalLoss, TokenWeightedLoss, TokenWeightedPerplexity,
-                               UlyssesDeepSpeedStrategy, export_checkpoint)
+                               StepProgressBar, UlyssesDeepSpeedStrategy, export_checkpoint)
 
 OUT_DIR = Path(__file__).resolve().parent / "out" / "finetune"
 PROMPT = "def read_config(path):\n    "
@@ -322,7 +322,7 @@ def main() -> None:
         logger=CSVLogger(OUT_DIR, name="logs"),
         log_every_n_steps=5,
         enable_model_summary=False,
-        callbacks=[checkpoints, passkey],
+        callbacks=[checkpoints, passkey, StepProgressBar()],  # the bar shows steps out of max_steps
     )
     module = FineTune(args, model_path)
     trainer.fit(module)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch import nn
 
-from lightning_ulysses import UlyssesDeepSpeedStrategy
+from lightning_ulysses import StepProgressBar, UlyssesDeepSpeedStrategy
 
 
 @dataclass
@@ -135,6 +135,7 @@ def main() -> None:
         max_steps=args.max_steps,
         logger=False,
         enable_checkpointing=False,
+        callbacks=[StepProgressBar()],  # the bar shows steps out of max_steps
     )
     trainer.fit(GPTModule(cfg), data)
 

@@ -33,7 +33,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_ulysses import UlyssesDeepSpeedStrategy
+from lightning_ulysses import StepProgressBar, UlyssesDeepSpeedStrategy
 
 PAD, BOS = 256, 257  # byte-level vocabulary: 0..255 are the bytes themselves
 VOCAB_SIZE = 258
@@ -202,23 +202,18 @@ def main() -> None:
     args = parse_args()
     seed_everything(args.seed, verbose=False)  # same initial weights on every rank
     module = CausalLM(args)
-    # The epochs max_steps spans (so the progress bar reads "Epoch 0/1", not Lightning's "0/-2" of an open-ended run):
-    # each step takes batch_size rows per data-parallel replica, dp = world / sp_size.
-    data_parallel = max(1, args.devices * args.num_nodes // args.sp_size)
-    steps_per_epoch = max(1, len(module.train_dataloader().dataset) // (args.batch_size * data_parallel))
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
         num_nodes=args.num_nodes,
         strategy=UlyssesDeepSpeedStrategy(sp_size=args.sp_size, stage=args.stage),
         max_steps=args.max_steps,
-        max_epochs=math.ceil(args.max_steps / steps_per_epoch),
         precision=args.precision,
         logger=CSVLogger(OUT_DIR, name="train_long_context"),
         log_every_n_steps=5,
         enable_checkpointing=False,
         enable_model_summary=False,
-        callbacks=[TokensPerSecond(args.seq_len)],
+        callbacks=[TokensPerSecond(args.seq_len), StepProgressBar()],  # the bar shows steps out of max_steps
     )
     trainer.fit(module)
 

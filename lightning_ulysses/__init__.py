@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ulysses.agreement import SPLossMismatchError, SPPeerMismatchError, batch_fingerprint
 from lightning_ulysses.attention import UlyssesAttention, ulysses_attention
-from lightning_ulysses.callbacks import SequenceParallelThroughputMonitor
+from lightning_ulysses.callbacks import SequenceParallelThroughputMonitor, StepProgressBar
 from lightning_ulysses.checkpoint import checkpoint_status, find_last_complete_checkpoint
 from lightning_ulysses.data import SequenceShardingCollate, shard_batch
 from lightning_ulysses.export import export_checkpoint
@@ -32,6 +32,7 @@ __all__ = [
     "SequenceParallelLayout",
     "SequenceParallelThroughputMonitor",
     "SequenceShardingCollate",
+    "StepProgressBar",
     "TokenWeightedLoss",
     "TokenWeightedPerplexity",
     "UlyssesAttention",

@@ -1,10 +1,11 @@
-"""Callbacks that count each sample once under sequence parallelism."""
+"""Callbacks: throughput that counts each sample once under sequence parallelism, and a progress bar of optimizer
+steps for runs bounded by ``max_steps``."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.callbacks import ThroughputMonitor, TQDMProgressBar
 
 
 def _local_batch_size(batch: Any) -> int:
@@ -39,3 +40,36 @@ class SequenceParallelThroughputMonitor(ThroughputMonitor):
             self.length_fn = lambda batch: int(batch["input_ids"].numel()) * self._sp_size
         for throughput in self._throughputs.values():
             throughput.world_size = dp_size
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's TQDM progress bar, counting optimizer steps out of ``max_steps`` ("Step: 120/150") across
+    epochs, where Lightning's counts the batches of the current epoch ("Epoch 0", whose length says nothing about a
+    run that ``max_steps`` ends). Without ``max_steps`` it is Lightning's bar.
+
+    ``Trainer(..., max_steps=150, callbacks=[StepProgressBar()])``
+    """
+
+    def on_train_epoch_start(self, trainer: Any, *args: Any) -> None:
+        if trainer.max_steps <= 0:
+            return super().on_train_epoch_start(trainer, *args)
+        if self._leave:
+            self.train_progress_bar = self.init_train_tqdm()
+        bar = self.train_progress_bar  # one bar for the whole run: not reset at an epoch's start
+        bar.total, bar.initial = trainer.max_steps, 0
+        bar.set_description("Step", refresh=False)
+        self._show(bar, trainer.global_step)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.max_steps <= 0:
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        bar = self.train_progress_bar
+        if bar is not None and self._should_update(trainer.global_step, bar.total):
+            self._show(bar, trainer.global_step)
+            bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    @staticmethod
+    def _show(bar: Any, steps: int) -> None:
+        if not bar.disable:
+            bar.n = steps
+            bar.refresh()

@@ -13,7 +13,7 @@ def gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup, seq_len: int,
                     order: "torch.Tensor | None" = None) -> torch.Tensor:
     """``[B, s, ...]`` shards of the SP group -> ``[B, seq_len, ...]`` (the padding to a multiple of sp removed).
     ``order``: for shards that are not contiguous slices (ring layout), the global position of every entry of the
-    rank-major concatenation (:func:`lightning_ulysses.ring.full_order`)."""
+    rank-major concatenation (:meth:`lightning_ulysses.geometry.SequenceGeometry.full_order`)."""
     sp = dist.get_world_size(group)
     shard = shard.contiguous()
     pieces = torch.empty((sp * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)

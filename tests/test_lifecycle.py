@@ -88,3 +88,41 @@ def test_engine_setup_follows_lightnings_private_methods():
         assert hashlib.sha256(source.encode()).hexdigest()[:16] == digest, f"Lightning changed {name}"
         assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters), name
         assert initialize_keywords(ours) == initialize_keywords(theirs) | {"mpu"}, name
+
+
+def test_step_progress_bar_counts_optimizer_steps_across_epochs(capsys):
+    """StepProgressBar: a run bounded by max_steps shows "Step" with steps out of max_steps, continuing across
+    epochs (3 batches per epoch, 7 steps: the bar ends at 7/7, not at the last epoch's 1/3)."""
+    from lightning.pytorch import LightningModule, Trainer
+
+    from lightning_ulysses import StepProgressBar
+
+    class Tiny(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(3, 2), batch_size=1)
+
+    seen = []
+
+    class Recording(StepProgressBar):
+        def on_train_end(self, trainer, pl_module):
+            bar = self.train_progress_bar
+            seen.append((bar.n, bar.total, bar.desc))
+            super().on_train_end(trainer, pl_module)
+
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=7, callbacks=[Recording()], logger=False,
+                      enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(Tiny())
+    assert trainer.current_epoch >= 2  # three epochs ran: the bar had to continue across them
+    assert seen == [(7, 7, "Step: ")]
+    shown = capsys.readouterr()
+    assert "Step: 100%" in shown.out and "Epoch" not in shown.out + shown.err

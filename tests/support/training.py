@@ -125,6 +125,8 @@ def fit_one(run: dict) -> tuple[dict, Trainer]:
         "mesh": {"sp_rank": strategy.sp_rank, "dp_rank": strategy.dp_rank, "dp_size": strategy.dp_size,
                  "sp_group": strategy.layout.sp_group_ranks(),
                  "dim_names": strategy.device_mesh.mesh_dim_names,
+                 "dp_sp_dim_names": strategy.device_mesh["dp", "sp"].mesh_dim_names,
+                 "sp_mesh_group": torch.distributed.get_process_group_ranks(strategy.device_mesh["sp"].get_group()),
                  "module_mesh_is_strategy_mesh": module.device_mesh is strategy.device_mesh},
         "train_batch_size": recorder.train_batch_size,
         "features_active": recorder.features_active,
