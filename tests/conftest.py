@@ -1,7 +1,8 @@
 """Test-suite wiring: the ``multiprocess`` marker.
 
 A test is ``multiprocess`` when it or one of its fixtures starts processes (``launch(...)`` of
-``tests/support/launcher.py``, a ``subprocess`` such as torchrun or the CLI): those take seconds to minutes each.
+``tests/support/launcher.py``, a ``subprocess`` such as torchrun or the CLI), directly or through a function of its
+module that does: those take seconds to minutes each.
 ``pytest -m "not multiprocess"`` runs the in-process tests alone, in seconds. The marker is set here from the
 source of each test and its fixtures; a launch from a test left unmarked fails loudly under ``-m "not multiprocess"``
 (the launcher refuses), so a missed case cannot go unnoticed.
@@ -26,11 +27,35 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["ULYSSES_TESTS_IN_PROCESS_ONLY"] = "1"
 
 
-def _starts_processes(function) -> bool:
+def _source(function) -> str:
     try:
-        return bool(_STARTS_PROCESSES.search(inspect.getsource(function)))
+        return inspect.getsource(function)
     except (OSError, TypeError):
-        return False
+        return ""
+
+
+_MODULE_STARTERS: dict[str, set[str]] = {}
+
+
+def _process_starting_helpers(module) -> set[str]:
+    """Names of the module's own functions that start processes, directly or through another such function."""
+    if module.__name__ not in _MODULE_STARTERS:
+        functions = {name: _source(f) for name, f in vars(module).items()
+                     if inspect.isfunction(f) and f.__module__ == module.__name__}
+        starters = {name for name, source in functions.items() if _STARTS_PROCESSES.search(source)}
+        while True:
+            more = {name for name, source in functions.items() if name not in starters
+                    and any(re.search(rf"\b{re.escape(s)}\(", source) for s in starters)}
+            if not more:
+                break
+            starters |= more
+        _MODULE_STARTERS[module.__name__] = starters
+    return _MODULE_STARTERS[module.__name__]
+
+
+def _starts_processes(function, helpers: set[str]) -> bool:
+    source = _source(function)
+    return bool(_STARTS_PROCESSES.search(source)) or any(re.search(rf"\b{re.escape(h)}\(", source) for h in helpers)
 
 
 def _unwrapped(function):
@@ -51,5 +76,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # fixtures chosen at run time: any fixture of the module may be the one
             functions += [f for f in vars(item.module).values() if hasattr(f, "_get_wrapped_function")
                           or type(f).__name__ == "FixtureFunctionDefinition"]
-        if any(f is not None and _starts_processes(_unwrapped(f)) for f in functions):
+        helpers = _process_starting_helpers(item.module)
+        if any(f is not None and _starts_processes(_unwrapped(f), helpers) for f in functions):
             item.add_marker(pytest.mark.multiprocess)

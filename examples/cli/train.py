@@ -38,6 +38,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the model and data of train_long_context
 
 from lightning.pytorch import LightningDataModule, LightningModule  # noqa: E402
+from lightning.pytorch.callbacks import ProgressBar  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -142,6 +143,15 @@ class StdlibCodeData(LightningDataModule):
 class UlyssesCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.seq_len", "model.seq_len")
+
+    def instantiate_trainer(self, **kwargs):
+        """The progress bar shows optimizer steps out of ``max_steps`` (``StepProgressBar``) unless the bar is off
+        (``--trainer.enable_progress_bar=false``) or another progress bar is configured."""
+        config = (self.config_init[self.subcommand] if self.subcommand else self.config_init)["trainer"]
+        callbacks = list(config.get("callbacks") or [])
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, lightning_ulysses.StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
 
 
 def main(args=None, run: bool = True) -> UlyssesCLI:
