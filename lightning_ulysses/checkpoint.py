@@ -1,7 +1,9 @@
-"""Checkpoints of :class:`~lightning_ulysses.UlyssesDeepSpeedStrategy`: completeness, exact resume, portable export.
+"""Checkpoints of :class:`~lightning_ulysses.UlyssesDeepSpeedStrategy`: completion markers, file digests hashed and
+checked over the ranks, the records of the layout and the Hugging Face models, the exact resume position of an epoch
+cut short, and loading into a ZeRO-3 engine for evaluation.
 
 A checkpoint is Lightning's DeepSpeed checkpoint: a *directory* (``epoch=0-step=8.ckpt/``) that every rank writes its
-ZeRO shard into. On top of it the strategy keeps three promises:
+ZeRO shard into. On top of it the strategy keeps two promises:
 
 * **Complete or rejected.** Before any rank writes, rank 0 puts ``ulysses_checkpoint.json`` with ``"complete": false``
   into the directory; once every rank has written (DeepSpeed's closing barrier), it replaces it atomically with the
@@ -14,8 +16,8 @@ ZeRO shard into. On top of it the strategy keeps three promises:
   loader skips exactly those batches of the restored epoch at the index level (no sample is loaded to be thrown
   away). Without it Lightning restarts a mid-epoch checkpoint's epoch at its first batch and ends it early.
 
-Export to portable files is :mod:`lightning_ulysses.export`; loading on another layout is
-:mod:`lightning_ulysses.resharding`.
+The strategy's save/load hooks are :mod:`lightning_ulysses.checkpoint_hooks`; export to portable files is
+:mod:`lightning_ulysses.export`; loading on another layout is :mod:`lightning_ulysses.resharding`.
 """
 
 from __future__ import annotations

@@ -95,6 +95,16 @@ def test_gpt_from_scratch_matches_single_device(two, index):
     assert update_rel_diff(two[0]["gpt"][index]["weights"], weights, initial) <= 1e-5
 
 
+def test_shard_positions_are_the_global_positions_of_the_shard(two):
+    """``strategy.shard_positions(s)`` (for an own model's position embeddings) is this rank's slice of the global
+    positions, the batch's own ``position_ids``."""
+    for rank, result in enumerate(two):
+        for run in result["gpt"]:
+            s = run["input_shapes"][0][1]
+            assert run["shard_positions"] and all(mine == list(range(rank * s, (rank + 1) * s)) == batch
+                                                  for mine, batch in run["shard_positions"])
+
+
 def test_hf_model_with_3_heads_at_sp2_matches_single_device(two):
     check_against_reference(HF_UNEVEN_2[0], [rank["hf"]["runs"][0] for rank in two], global_batch=1)
     assert two[0]["hf"]["runs"][0]["attention_query_shapes"] == [(1, 2, 32, 16)]  # busiest rank: 2 of 3 heads

@@ -55,9 +55,12 @@ class WeightsRecorder(Callback):
         self.losses: list[float] = []
         self.weights: dict[str, torch.Tensor] = {}
         self.input_shapes: list[tuple[int, ...]] = []
+        self.shard_positions: list[tuple[list[int], list[int]]] = []  # (strategy.shard_positions, batch position_ids)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.input_shapes.append(tuple(batch["input_ids"].shape))
+        positions = trainer.strategy.shard_positions(batch["input_ids"].shape[1])
+        self.shard_positions.append((positions.tolist(), batch["position_ids"][0].tolist()))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(outputs["loss"].item())
@@ -90,6 +93,7 @@ def gpt_parity(payload: dict) -> list[dict]:
         trainer = make_trainer(strategy, run["steps"], callbacks=[recorder])
         trainer.fit(module, data)
         results.append({"losses": recorder.losses, "input_shapes": recorder.input_shapes,
+                        "shard_positions": recorder.shard_positions,
                         "weights": recorder.weights if dist.get_rank() == 0 else None,
                         "unwrapped": all("forward" not in m.__dict__ for m in module.modules()
                                          if isinstance(m, gpt.AttentionCore))})
