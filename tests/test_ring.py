@@ -114,6 +114,26 @@ def test_fused_block_kernels_are_checked_against_the_matmul_kernel(monkeypatch):
     assert ring.kernel_agrees("cpu_flash", torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_block_kernel_calls_fit_torchs_ops(dtype):
+    """The CUDA block kernel's calls of torch's memory-efficient attention op and its backward op (argument order,
+    the padded log-sum-exp layout, the aligned bias, philox arguments) run through torch's own shape checks on the
+    meta device, for causal, full and masked blocks of a length that is not a tile multiple. Its numbers are checked
+    on a GPU (tests/test_cuda.py) and, at first use, against the matmul kernel (ring.kernel_agrees)."""
+    from lightning_ulysses import ring
+
+    B, h, c, D = 2, 4, 40, 16
+    q, k, v, dout = (torch.empty(B, h, c, D, device="meta", dtype=dtype) for _ in range(4))
+    pos = torch.arange(c)
+    late = ring.causal_window_mask(pos, pos + c // 2, 7)
+    for causal, mask in ((True, None), (False, None), (False, late), (False, late[None, None].expand(B, 1, c, c))):
+        mask = None if mask is None else mask.to("meta")
+        out, lse = ring._cuda_efficient_forward(q, k, v, causal, mask, 0.125)
+        assert out.shape == (B, h, c, D) and out.dtype == dtype and lse.shape == (B, h, c)
+        grads = ring._cuda_efficient_backward(dout, q, k, v, out, lse.float(), causal, mask, 0.125)
+        assert [tuple(g.shape) for g in grads] == [(B, h, c, D)] * 3
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_ring_training_matches_single_device(trained, name):
     index = list(RUNS).index(name)
