@@ -3,9 +3,9 @@ flattened ``ring × ulysses`` part; ``ring_size = 1`` is the plain Ulysses case,
 ranks and the sequence geometry (:class:`~lightning_ulysses.geometry.SequenceGeometry`); everything else asks it.
 
 Ranks are laid out with SP innermost (and Ulysses innermost inside SP): global rank ``r`` sits at
-``(dp_rank, sp_rank) = divmod(r, sp_size)``, so the ranks ``[k * sp_size, (k + 1) * sp_size)`` form one SP group. With the usual one-process-per-device launch, local ranks
-of a node are consecutive global ranks, so an SP group stays inside a node whenever ``sp_size`` divides the number of
-devices per node.
+``(dp_rank, sp_rank) = divmod(r, sp_size)``, so the ranks ``[k * sp_size, (k + 1) * sp_size)`` form one SP group.
+With the usual one-process-per-device launch, local ranks of a node are consecutive global ranks, so an SP group stays
+inside a node whenever ``sp_size`` divides the number of devices per node.
 """
 
 from __future__ import annotations
@@ -88,14 +88,16 @@ class SequenceParallelLayout:
 
     Attributes:
         mesh: 3-D :class:`~torch.distributed.device_mesh.DeviceMesh` with dims ``("dp", "ring", "ulysses")``, Ulysses
-            innermost (a Ulysses group is ``sp_size / ring_size`` consecutive ranks); ``mesh["sp"]`` is the flattened
-            ``ring × ulysses`` dimension and ``mesh["dp", "sp"]`` the 2-D DP × SP view.
+            innermost (a Ulysses group is ``sp_size / ring_size`` consecutive ranks).
+        sp_mesh: the 1-D ``"sp"`` mesh, ``ring × ulysses`` flattened (kept here: PyTorch deprecates slicing a
+            flattened dimension from the root mesh).
         geometry: how rows are cut over the SP group (padded length, shard positions, zigzag order).
         sp_rank: This rank's position inside its SP group (which sequence shard it holds).
         dp_rank: Index of this rank's SP group (which samples it reads).
     """
 
     mesh: DeviceMesh
+    sp_mesh: DeviceMesh
     geometry: SequenceGeometry
     sp_rank: int
     dp_rank: int
@@ -109,12 +111,12 @@ class SequenceParallelLayout:
         geometry = SequenceGeometry(sp_size, ring_size)
         mesh = init_device_mesh(device_type, (world_size // sp_size, ring_size, geometry.ulysses_size),
                                 mesh_dim_names=(DP_DIM, RING_DIM, ULYSSES_DIM))
-        mesh[RING_DIM, ULYSSES_DIM]._flatten(SP_DIM)  # the SP group: ring × ulysses, as one dimension
+        sp_mesh = mesh[RING_DIM, ULYSSES_DIM]._flatten(SP_DIM)  # the SP group: ring × ulysses, as one dimension
         dp_rank, sp_rank = divmod(dist.get_rank(), sp_size)
-        assert mesh.get_local_rank(SP_DIM) == sp_rank and mesh.get_local_rank(DP_DIM) == dp_rank
+        assert sp_mesh.get_local_rank() == sp_rank and mesh.get_local_rank(DP_DIM) == dp_rank
         assert (mesh.get_local_rank(RING_DIM), mesh.get_local_rank(ULYSSES_DIM)) == geometry.ring_and_ulysses_rank(
             sp_rank)
-        return cls(mesh=mesh, geometry=geometry, sp_rank=sp_rank, dp_rank=dp_rank)
+        return cls(mesh=mesh, sp_mesh=sp_mesh, geometry=geometry, sp_rank=sp_rank, dp_rank=dp_rank)
 
     @property
     def sp_size(self) -> int:
@@ -145,7 +147,7 @@ class SequenceParallelLayout:
     @property
     def sp_group(self) -> dist.ProcessGroup:
         """The ranks that hold the shards of the same sequences (all-to-all around attention, loss sums)."""
-        return self.mesh.get_group(SP_DIM)
+        return self.sp_mesh.get_group()
 
     def sp_group_ranks(self) -> list[int]:
         """Global ranks of this rank's SP group, in sequence-shard order."""

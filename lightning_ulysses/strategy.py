@@ -55,7 +55,7 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
 
     * builds a :class:`~torch.distributed.device_mesh.DeviceMesh` with dims ``("dp", "ring", "ulysses")`` and
       ``"sp"`` = ``ring × ulysses`` flattened (SP innermost so an SP group stays inside a node), reachable as
-      ``strategy.device_mesh`` and ``LightningModule.device_mesh`` (``mesh["dp", "sp"]``: the DP × SP view);
+      ``strategy.device_mesh`` and ``LightningModule.device_mesh`` (the ``"sp"`` mesh: ``strategy.layout.sp_mesh``);
     * hands DeepSpeed the SP groups, so ZeRO's batch arithmetic uses dp while gradients reduce over all ranks;
     * switches every Hugging Face ``PreTrainedModel`` in the LightningModule to Ulysses attention (``sdpa``,
       ``flash_attention_2/3`` or ``flex_attention``) and to a loss whose value is the full-sequence loss;
@@ -167,8 +167,7 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The ``("dp", "ring", "ulysses")`` device mesh; ``device_mesh["sp"]`` is the SP dimension and
-        ``device_mesh["dp", "sp"]`` the DP × SP view."""
+        """The ``("dp", "ring", "ulysses")`` device mesh (the flattened ``"sp"`` mesh: ``layout.sp_mesh``)."""
         return self.layout.mesh
 
     @property

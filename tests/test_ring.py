@@ -174,7 +174,7 @@ def test_one_mesh_holds_every_group(launched):
     for rank, result in enumerate(launched):
         for key, groups in expected.items():
             got = result["layouts"][key]
-            assert got["dims"] == ("dp", "ring", "ulysses") and got["dp_sp_dims"] == ("dp", "sp")
+            assert got["dims"] == ("dp", "ring", "ulysses") and got["sp_dims"] == ("sp",)
             assert (got["sp"], got["ulysses"], got["ring"], got["dp"]) == groups(rank), (key, rank, got)
             sp = key[0]
             assert got["ranks"] == (rank // sp, rank % sp, 4 // sp)

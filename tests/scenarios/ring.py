@@ -83,7 +83,7 @@ def layout_groups(payload: dict) -> dict:
         layout = SequenceParallelLayout.build("cpu", sp_size, ring_size)
         out[(sp_size, ring_size)] = {
             "dims": layout.mesh.mesh_dim_names,
-            "dp_sp_dims": layout.mesh["dp", "sp"].mesh_dim_names,
+            "sp_dims": layout.sp_mesh.mesh_dim_names,
             "sp": dist.get_process_group_ranks(layout.sp_group),
             "ulysses": dist.get_process_group_ranks(layout.ulysses_group),
             "ring": dist.get_process_group_ranks(layout.ring_group),
