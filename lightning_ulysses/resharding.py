@@ -51,7 +51,8 @@ def load_on_another_layout(engine: Any, checkpoint: Path, marker: dict[str, Any]
     def consolidated_weights(src: Any, dst: Any) -> None:
         dst.load_state_dict(_consolidated_weights(saved, checkpoint), strict=strict)
 
-    with _model_states_of_the_saved_layout(engine, saved_ranks, saved_stage), _consolidation_from(saved, checkpoint):
+    with _model_states_of_the_saved_layout(engine, saved_ranks, saved_stage), _consolidation_from(saved, checkpoint), \
+            _frozen_weights_from_the_whole_state(engine):
         _, client_state = engine.load_checkpoint(str(checkpoint), load_optimizer_states=False,
                                                  load_lr_scheduler_states=False, load_module_strict=strict,
                                                  custom_load_fn=consolidated_weights if placeholders else None)
@@ -92,6 +93,26 @@ def _consolidation_from(saved: "_Saved", checkpoint: Path) -> Iterator[None]:
         yield
     finally:
         engine_module.get_fp32_state_dict_from_zero_checkpoint = original
+
+
+@contextmanager
+def _frozen_weights_from_the_whole_state(engine: Any) -> Iterator[None]:
+    """After loading the module state, DeepSpeed copies the saved rank's fragment of every frozen parameter (ZeRO
+    2/3 checkpoints record them) into this rank's parameter or partition. On another layout the fragments do not fit
+    (another partition size; a ZeRO-3 fragment into a whole parameter), and the frozen weights are already in the
+    whole module state just loaded: the fragments are dropped."""
+    from deepspeed.checkpoint.constants import FROZEN_PARAM_FRAGMENTS
+
+    original = engine.load_module_state_dict
+
+    def load_module_state_dict(checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        return original({k: v for k, v in checkpoint.items() if k != FROZEN_PARAM_FRAGMENTS}, *args, **kwargs)
+
+    engine.load_module_state_dict = load_module_state_dict
+    try:
+        yield
+    finally:
+        del engine.load_module_state_dict
 
 
 def check_same_parameters(engine: Any, saved_checkpoint: "_Saved", checkpoint: Path) -> None:

@@ -20,7 +20,8 @@ STAGES = (1, 2, 3)
 DP2_SP2 = dict(BASE, sp_size=2, batch_size=1)  # on 4 ranks: 2 samples a step
 DP1_SP2_B2 = dict(BASE, sp_size=2, batch_size=2)  # on 2 ranks: the same 2 samples a step
 BF16 = {"precision": "bf16-true"}  # DeepSpeed names the optimizer shards bf16_zero_pp_rank_*
-VALIDATIONS = [(2, 2), (3, 3), (2, 3)]  # (saved ZeRO stage on 2 ranks, validating stage on 4 ranks)
+VALIDATIONS = [(2, 2), (3, 3), (2, 3)]
+FROZEN = ["embed_tokens", "layers.0."]  # frozen parameters at ZeRO 3 (a LoRA fine-tune's frozen base)  # (saved ZeRO stage on 2 ranks, validating stage on 4 ranks)
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +34,15 @@ def runs(root):
     """The three launches, in order: each resumes from checkpoints the previous one wrote."""
     first = launch(2, "checkpoints:fits", {"root": str(root), "runs": {
         **{f"sp2_z{s}": {**BASE, "stage": s, "ckpt_every": 4, "ckpt_dir": f"sp2_z{s}"} for s in STAGES},
-        "sp2_bf16": {**BASE, "stage": 2, "ckpt_every": 4, "ckpt_dir": "sp2_bf16", "trainer": BF16}}})
+        "sp2_bf16": {**BASE, "stage": 2, "ckpt_every": 4, "ckpt_dir": "sp2_bf16", "trainer": BF16},
+        "sp2_z3_frozen": {**BASE, "stage": 3, "frozen": FROZEN, "ckpt_every": 4, "ckpt_dir": "sp2_z3_frozen"}}})
     second = launch(4, "checkpoints:fits", {"root": str(root), "runs": {
         **{f"sp4_from_sp2_z{s}": {**BASE, "sp_size": 4, "stage": s, "resume": f"sp2_z{s}/step=4.ckpt",
                                   "ckpt_every": 4, "ckpt_dir": f"sp4_z{s}"} for s in STAGES},
         "dp2_sp2_z3": {**DP2_SP2, "stage": 3, "ckpt_every": 2, "ckpt_dir": "dp2_sp2_z3"},
         "sp4_from_sp2_bf16": {**BASE, "sp_size": 4, "stage": 2, "resume": "sp2_bf16/step=4.ckpt", "trainer": BF16},
+        "sp4_z3_frozen_from_sp2": {**BASE, "sp_size": 4, "stage": 3, "frozen": FROZEN, "scramble": FROZEN,
+                                   "resume": "sp2_z3_frozen/step=4.ckpt"},
         "ring2x2_from_sp2_z2": {**BASE, "sp_size": 4, "stage": 2, "strategy": {"ring_size": 2},
                                 "resume": "sp2_z2/step=4.ckpt"},
         "sp4_z3_from_sp2_z2": {**BASE, "sp_size": 4, "stage": 3, "resume": "sp2_z2/step=4.ckpt",
@@ -50,6 +54,8 @@ def runs(root):
         "dp1_sp2_from_dp2_sp2_z3": {**DP1_SP2_B2, "stage": 3, "resume": "dp2_sp2_z3/step=4.ckpt"},
         "sp2_z2_from_sp4_z3": {**BASE, "stage": 2, "resume": "sp4_z3_from_z2/step=8.ckpt"},
         "sp2_z3_from_sp2_z1": {**BASE, "stage": 3, "resume": "sp2_z1/step=4.ckpt"},
+        "sp2_z2_frozen_from_sp2_z3": {**BASE, "stage": 2, "frozen": FROZEN, "scramble": FROZEN,
+                                      "resume": "sp2_z3_frozen/step=4.ckpt"},
         **{f"validate_sp2_z{s}_on_sp2_z{s}": {**BASE, "stage": s, "validate": f"sp2_z{s}/step=4.ckpt"}
            for s in {s for s, _ in VALIDATIONS}},
         "another_model": {**BASE, "stage": 2, "layers": 3, "resume": "sp4_z3/step=8.ckpt", "may_fail": True}}})
@@ -73,6 +79,19 @@ def test_four_ranks_continue_on_two(runs, reference, stage):
     """The 4-rank run's checkpoint at step 8 (mid-epoch 1) -> sp=2 on 2 ranks: steps 9..12 as uninterrupted."""
     name = f"sp2_from_sp4_z{stage}"
     assert_continues(global_steps(runs[name], name), reference, 9)
+
+
+def test_frozen_parameters_at_zero3_continue_on_four_ranks_and_at_zero2(runs, reference):
+    """With frozen parameters (embeddings and the first layer, as a LoRA fine-tune's base) at ZeRO 3, the 2-rank
+    checkpoint continues on 4 ranks, and at ZeRO 2 on 2, as the uninterrupted 2-rank run (its frozen weights loaded: the resumed run starts
+    from scrambled frozen weights, so only a load gives these losses; its optimizer state re-partitioned); the frozen
+    run really differs from the all-trainable one. (DeepSpeed itself stops here: it copies the saved rank's fragment
+    of each frozen parameter into a partition of another size.)"""
+    full = global_steps(runs["sp2_z3_frozen"], "sp2_z3_frozen")
+    assert_continues(global_steps(runs["sp4_z3_frozen_from_sp2"], "sp4_z3_frozen_from_sp2"), full, 5)
+    assert_continues(global_steps(runs["sp2_z2_frozen_from_sp2_z3"], "sp2_z2_frozen_from_sp2_z3"), full, 5)
+    assert full[0][1] == pytest.approx(reference[0][1], rel=1e-5)  # the same model and first batch
+    assert all(abs(a[1] - b[1]) > 1e-4 * abs(b[1]) for a, b in zip(full[2:], reference[2:]))  # then other training
 
 
 def test_the_uninterrupted_two_rank_run_is_the_reference(runs, reference):

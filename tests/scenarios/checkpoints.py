@@ -104,6 +104,12 @@ def _fit(run: dict, root: Path) -> dict[str, Any]:
     dataset = RowDataset(run["num_rows"], run["seq_len"])
     module = MomentumLM(tiny_llama_config(num_kv_heads=KV_HEADS, layers=run.get("layers", 2)), lr=LR, dataset=dataset,
                         batch_size=run["batch_size"])
+    for name, parameter in module.named_parameters():  # a frozen part, as a LoRA fine-tune has
+        if any(part in name for part in run.get("frozen", ())):
+            parameter.requires_grad_(False)
+        if any(part in name for part in run.get("scramble", ())):  # other starting weights: only a load restores them
+            with torch.no_grad():
+                parameter.mul_(1.5)
     log = StepLog()
     callbacks: list[Callback] = [log]
     if run.get("ckpt_every"):
