@@ -43,25 +43,28 @@ class SequenceParallelThroughputMonitor(ThroughputMonitor):
 
 
 class StepProgressBar(TQDMProgressBar):
-    """Lightning's TQDM progress bar, counting optimizer steps out of ``max_steps`` ("Step: 120/150") across
+    """Lightning's TQDM progress bar, counting optimizer steps out of the run's total ("Step: 120/150") across
     epochs, where Lightning's counts the batches of the current epoch ("Epoch 0", whose length says nothing about a
-    run that ``max_steps`` ends). Without ``max_steps`` it is Lightning's bar.
+    run that ``max_steps`` ends). The total is ``trainer.estimated_stepping_batches`` (``max_steps``, or fewer when
+    ``max_epochs`` ends the run first; accumulation counted); where that is unknown (an iterable dataset without a
+    length and no ``max_steps``) it is Lightning's bar.
 
     ``Trainer(..., max_steps=150, callbacks=[StepProgressBar()])``
     """
 
     def on_train_epoch_start(self, trainer: Any, *args: Any) -> None:
-        if trainer.max_steps <= 0:
+        total = _total_steps(trainer)
+        if total is None:
             return super().on_train_epoch_start(trainer, *args)
         if self._leave:
             self.train_progress_bar = self.init_train_tqdm()
         bar = self.train_progress_bar  # one bar for the whole run: not reset at an epoch's start
-        bar.total, bar.initial = trainer.max_steps, 0
+        bar.total, bar.initial = total, 0
         bar.set_description("Step", refresh=False)
         self._show(bar, trainer.global_step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.max_steps <= 0:
+        if _total_steps(trainer) is None:
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         bar = self.train_progress_bar
         if bar is not None and self._should_update(trainer.global_step, bar.total):
@@ -73,3 +76,9 @@ class StepProgressBar(TQDMProgressBar):
         if not bar.disable:
             bar.n = steps
             bar.refresh()
+
+
+def _total_steps(trainer: Any) -> Optional[int]:
+    """The run's optimizer steps, or ``None`` where Lightning cannot know them."""
+    total = trainer.estimated_stepping_batches
+    return int(total) if total != float("inf") else None

@@ -91,8 +91,9 @@ def test_engine_setup_follows_lightnings_private_methods():
 
 
 def test_step_progress_bar_counts_optimizer_steps_across_epochs(capsys):
-    """StepProgressBar: a run bounded by max_steps shows "Step" with steps out of max_steps, continuing across
-    epochs (3 batches per epoch, 7 steps: the bar ends at 7/7, not at the last epoch's 1/3)."""
+    """StepProgressBar: a run shows "Step" with optimizer steps out of its total, continuing across epochs (3
+    batches per epoch, max_steps 7: the bar ends at 7/7, not at the last epoch's 1/3; with max_epochs ending the run
+    first and accumulation, 4/4)."""
     from lightning.pytorch import LightningModule, Trainer
 
     from lightning_ulysses import StepProgressBar
@@ -126,3 +127,8 @@ def test_step_progress_bar_counts_optimizer_steps_across_epochs(capsys):
     assert seen == [(7, 7, "Step: ")]
     shown = capsys.readouterr()
     assert "Step: 100%" in shown.out and "Epoch" not in shown.out + shown.err
+    # max_epochs ends the run before max_steps (2 epochs of 3 batches, accumulating 2 of them: 2 steps per epoch)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=100, max_epochs=2, accumulate_grad_batches=2,
+                      callbacks=[Recording()], logger=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(Tiny())
+    assert seen[-1] == (4, 4, "Step: ")
