@@ -230,6 +230,31 @@ def test_lora_checkpoint_exports_merged_weights_and_the_adapter(results, pretrai
         assert rel_diff(adapter(input_ids=input_ids).logits, expected) <= REL_TOL
 
 
+@pytest.fixture(scope="module")
+def lora_on_another_layout(pretrained_dir, tmp_path_factory):
+    """LoRA at ZeRO 3: 3 steps on 2 ranks (sp=2) saved mid-epoch, continued to step 6 on 4 ranks (sp=4)."""
+    path = str(tmp_path_factory.mktemp("lora-layouts") / "step3.ckpt")
+    case = {"spec": {"path": pretrained_dir, "lora": LORA}, "dataset": Rows(6), "stage": 3}
+    first = launch(2, "finetune:finetune", {"cases": {"first": {**case, "steps": 3, "save_to": path}}})
+    resumed = launch(4, "finetune:finetune", {"cases": {"resumed": {**case, "sp_size": 4, "steps": 6,
+                                                                    "resume": path}}})
+    return case, first[0]["first"], resumed[0]["resumed"]
+
+
+def test_lora_zero3_checkpoint_continues_on_four_ranks(lora_on_another_layout):
+    """A PEFT LoRA fine-tune at ZeRO 3 saved by 2 ranks continues on 4 (sp=4) as the plain process trains it:
+    steps 4-6 have its losses, and the adapter's final weights are its weights (the frozen base loaded whole)."""
+    case, first, resumed = lora_on_another_layout
+    assert "error" not in first and "error" not in resumed, (first.get("error"), resumed.get("error"))
+    reference = train_reference(build_reference(case["spec"], first["initial"]), ordered_batches(case["dataset"]))
+    assert rel_diff(first["losses"], reference["losses"][:3]) <= REL_TOL
+    assert rel_diff(resumed["losses"], reference["losses"][3:]) <= REL_TOL, (resumed["losses"], reference["losses"])
+    assert update_rel_diff(resumed["final"], reference["weights"], first["initial"]) <= REL_TOL
+    for key, tensor in resumed["final"].items():  # the frozen base is the pretrained one
+        if "lora_" not in key:
+            assert torch.equal(tensor, first["initial"][key]), key
+
+
 # ----------------------------------------------------------------------------------------------- train mode
 def test_gradient_checkpointing_recomputes_on_a_model_loaded_in_eval_mode(results, pretrained_dir):
     for name in ("checkpointing_zero2", "checkpointing_reentrant_lora_zero3"):

@@ -122,19 +122,20 @@ class FinetuneRecorder(Callback):
 
 
 def finetune(payload: dict) -> dict:
-    """Fits described by ``payload["cases"]``: spec (how the model is built), dataset, stage, strategy/trainer
-    kwargs; returns losses, initial/final weights (rank 0), layer calls per step and the model's modes."""
+    """Fits described by ``payload["cases"]``: spec (how the model is built), dataset, stage, sp_size (default 2),
+    strategy/trainer kwargs, a checkpoint to resume from; returns losses, initial/final weights (rank 0), layer calls per step and the model's modes."""
     out = {}
     for name, case in payload["cases"].items():
         seed_everything(SEED, verbose=False)
         module = FinetuneLM(case["spec"], case["dataset"], case.get("batch_size", 1), case.get("lr", 0.5),
                             case.get("collate_fn"), case.get("build_in", "configure_model"))
         recorder = FinetuneRecorder()
-        strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=case["stage"], **case.get("strategy", {}))
+        strategy = UlyssesDeepSpeedStrategy(sp_size=case.get("sp_size", 2), stage=case["stage"],
+                                            **case.get("strategy", {}))
         trainer = make_trainer(strategy, case.get("steps", 3), callbacks=[recorder], **case.get("trainer", {}))
         result: dict[str, Any] = {}
         try:
-            trainer.fit(module)
+            trainer.fit(module, ckpt_path=case.get("resume"))
             if "save_to" in case:
                 trainer.save_checkpoint(case["save_to"])
         except Exception as err:  # noqa: BLE001 - the test asserts on type and message
