@@ -52,8 +52,10 @@ class StepProgressBar(TQDMProgressBar):
     ``Trainer(..., max_steps=150, callbacks=[StepProgressBar()])``
     """
 
+    _total: Optional[int] = None  # the run's optimizer steps, read at each epoch's start
+
     def on_train_epoch_start(self, trainer: Any, *args: Any) -> None:
-        total = _total_steps(trainer)
+        self._total = total = _total_steps(trainer)
         if total is None:
             return super().on_train_epoch_start(trainer, *args)
         if self._leave:
@@ -64,7 +66,7 @@ class StepProgressBar(TQDMProgressBar):
         self._show(bar, trainer.global_step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if _total_steps(trainer) is None:
+        if self._total is None:
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         bar = self.train_progress_bar
         if bar is not None and self._should_update(trainer.global_step, bar.total):

@@ -168,8 +168,7 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         if context.ring_size > 1:  # hybrid: q holds this ring rank's S/R tokens, attend over all S
             documents = None
             if shard is not None and shard.packed:  # [B, S]: the document of every global position
-                padded_len = q.shape[2] * context.ring_size
-                documents = document_ids(shard.cu_seqlens, q.shape[0], padded_len, q.device)
+                documents = document_ids(shard.cu_seqlens, q.shape[0], shard.padded_len, q.device)
             out = ring_attention(view, q, k, v, context.ring_group, window, kwargs, documents)  # [B, S/R, hq, D]
         elif shard is not None and shard.packed:
             if not keeps_documents_apart(inner_name, context.sdpa_per_document):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.support.launcher import launch
-from tests.support.models import VOCAB, build_llama, lightning_order, pad_right_collate, tiny_llama_config
+from tests.support.models import (VOCAB, build_llama, lightning_order, pad_right_collate, sgd_steps,
+                                  tiny_llama_config)
 from tests.test_parity import rel_diff, update_rel_diff
 
 pytest.importorskip("peft", reason="peft is in the test extra: pip install -e '.[test]'")
@@ -114,15 +115,7 @@ def build_reference(spec: dict, initial: dict | None = None):
 
 
 def train_reference(model, batches: list[dict]) -> dict:
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    losses = []
-    for batch in batches:
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()}}
+    return sgd_steps(model, batches, LR)
 
 
 def ordered_batches(dataset, batch_size: int = 1, collate=None) -> list[dict]:

@@ -219,10 +219,10 @@ class DataCausalLM(CausalLM):
         return self._loader()
 
 
-def train_on_batches(config, batches: list[dict[str, torch.Tensor]], lr: float = 0.5, init_seed: int = 0):
-    """Single-device SGD, one optimizer step per given full batch; returns losses, weights and the model."""
-    model = build_llama(config, init_seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+def sgd_steps(model, batches: list[dict[str, torch.Tensor]], lr: float) -> dict:
+    """Single-device SGD on ``model``'s trainable parameters, one optimizer step per given full batch; returns the
+    losses and every parameter after the last step."""
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
     for batch in batches:
         loss = model(**batch).loss
@@ -230,7 +230,14 @@ def train_on_batches(config, batches: list[dict[str, torch.Tensor]], lr: float =
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()}, "model": model}
+    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()}}
+
+
+def train_on_batches(config, batches: list[dict[str, torch.Tensor]], lr: float = 0.5, init_seed: int = 0):
+    """Single-device SGD of a fresh tiny Llama, one optimizer step per given full batch; returns losses, weights and
+    the model."""
+    model = build_llama(config, init_seed)
+    return {**sgd_steps(model, batches, lr), "model": model}
 
 
 RING_PASSES = {"n": 0}  # point-to-point passes of K/V blocks around the ring (counted by count_ring_passes)
