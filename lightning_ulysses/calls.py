@@ -49,6 +49,12 @@ def install_call_completion(model: nn.Module, context: StepContext, hf_model: bo
     model.__dict__[_HOOK_HANDLE] = model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def has_call_completion(model: nn.Module) -> bool:
+    """Whether ``model``'s completing pre-hook is installed and still registered on it."""
+    handle = model.__dict__.get(_HOOK_HANDLE)
+    return handle is not None and handle.id in model._forward_pre_hooks
+
+
 def remove_call_completion(model: nn.Module) -> None:
     handle = model.__dict__.pop(_HOOK_HANDLE, None)
     if handle is not None:

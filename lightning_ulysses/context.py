@@ -39,10 +39,13 @@ class ShardInfo:
         global_index: ``[s]`` positions in the padded row that this rank holds (contiguous, or zigzag with ring).
         padded_len: the row length after padding to the SP layout's multiple.
         halo: where the token after each run of this shard lives (:class:`lightning_ulysses.data.HaloPlan`).
+        max_position: the largest ``position_ids`` value of the full batch (before the padding to the SP multiple):
+            what a single device's length-dependent RoPE sees (:mod:`lightning_ulysses.rope`).
     """
 
     __slots__ = ("seq_len", "cu_seqlens", "max_seqlen", "window_tokens", "batch_size", "fingerprint",
-                 "position_ids", "attention_mask", "target_valid", "global_index", "padded_len", "halo")
+                 "position_ids", "attention_mask", "target_valid", "global_index", "padded_len", "halo",
+                 "max_position")
 
     def __init__(self, seq_len: int, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
                  window_tokens: Optional[torch.Tensor] = None, batch_size: int = 1,
@@ -59,6 +62,7 @@ class ShardInfo:
         self.global_index: Optional[torch.Tensor] = None
         self.padded_len = seq_len
         self.halo = None
+        self.max_position: Optional[int] = None
 
     @property
     def shard_shape(self) -> Optional[tuple[int, int]]:

@@ -120,6 +120,7 @@ def shard_batch(
     info = _shard_info(S, padded_len, document_start) if packed else ShardInfo(S)
     info.batch_size, info.fingerprint = B, digest
     info.position_ids = out[POSITION_IDS]
+    info.max_position = int(position_ids.max())  # the full batch's, as one device's rotary embedding sees it
     info.attention_mask = out.get(ATTENTION_MASK)
     info.target_valid = cut(target_valid, "target_valid")  # padded with False
     info.global_index = torch.arange(start, start + shard_len) if index is None else index

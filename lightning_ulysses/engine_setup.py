@@ -58,6 +58,7 @@ class DeepSpeedEngineSetup:
             inference_config["zero_allow_untested_optimizer"] = self.config["zero_allow_untested_optimizer"]
             inference_config["zero_optimization"] = self.config["zero_optimization"]
         remove_module_hooks(model)
+        self._reinstall_model_hooks()  # the strategy's own pre-hooks went with Lightning's clean-up
         self.model, _, _, _ = deepspeed.initialize(
             args=self._deepspeed_args(),
             config=inference_config,

@@ -22,6 +22,7 @@ from lightning_ulysses.loss import SequenceParallelLossFunction
 from lightning_ulysses.mixers import unwrap_sequence_mixer, wrap_sequence_mixer
 from lightning_ulysses.moe import has_load_balancing_loss
 from lightning_ulysses.refusals import _calls_sdpa_directly, has_attention, sequence_mixers
+from lightning_ulysses.rope import unwrap_rotaries, wrap_length_dependent_rotaries
 
 def _pretrained_model_class() -> type:
     from transformers import PreTrainedModel
@@ -51,6 +52,7 @@ class _SavedModelState:
     marked_modules: list[nn.Module] = field(default_factory=list)
     direct_sdpa_modules: list[nn.Module] = field(default_factory=list)
     mixers: list[nn.Module] = field(default_factory=list)
+    rotaries: list[nn.Module] = field(default_factory=list)
     hooks: list[Any] = field(default_factory=list)
 
 _SAVED_STATE = "_ulysses_saved_state"
@@ -81,6 +83,7 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
         saved.mixers = sequence_mixers(model)
         for mixer in saved.mixers:
             wrap_sequence_mixer(mixer, context)
+        saved.rotaries = wrap_length_dependent_rotaries(model, context)
         if saved.use_cache is not None:
             config.use_cache = False  # a KV cache of one shard is useless and would size masks wrongly
         model.__dict__[_SAVED_STATE] = saved
@@ -91,6 +94,19 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
     model.loss_function = SequenceParallelLossFunction(context)
     if not saved.hooks:
         saved.hooks.append(model.register_forward_pre_hook(_refuse_router_aux_loss, with_kwargs=True))
+    install_call_completion(model, context, hf_model=True)
+
+
+def reinstall_hooks(model: nn.Module, context: StepContext) -> None:
+    """Register a prepared model's forward pre-hooks again after something cleared every module's hooks (Lightning's
+    DeepSpeed inference set-up calls ``remove_module_hooks`` on the whole LightningModule)."""
+    saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED_STATE)
+    if saved is None:
+        return
+    for hook in saved.hooks:
+        hook.remove()
+    saved.hooks = [model.register_forward_pre_hook(_refuse_router_aux_loss, with_kwargs=True)]
+    remove_call_completion(model)
     install_call_completion(model, context, hf_model=True)
 
 
@@ -122,6 +138,7 @@ def restore_model(model: nn.Module) -> None:
         module.__dict__.pop("forward", None)
     for mixer in saved.mixers:
         unwrap_sequence_mixer(mixer)
+    unwrap_rotaries(saved.rotaries)
     for hook in saved.hooks:
         hook.remove()
     remove_call_completion(model)

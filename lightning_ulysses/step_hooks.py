@@ -33,6 +33,7 @@ class StepHooks:
                 " (`dataloader_iter`): the strategy pairs every batch with its sharding facts when the loop fetches"
                 " it. Take `batch` as the step's argument instead."
             )
+        self._check_model_hooks()
         queue = self._step_queues.get(kind)
         shard = queue.pop() if queue is not None else None
         if shard is None:

@@ -295,6 +295,30 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         for root in self._own_model_roots:
             calls.install_call_completion(root, self._context, hf_model=False)
 
+    def _reinstall_model_hooks(self) -> None:
+        """The prepared models' forward pre-hooks again, after Lightning's DeepSpeed inference set-up removed every
+        module's hooks (``remove_module_hooks``): without them a call during ``trainer.predict/test/validate`` would
+        get positions counted from 0 on every rank."""
+        assert self._context is not None
+        for model in self._prepared_models:
+            hf.reinstall_hooks(model, self._context)
+        for root in self._own_model_roots:
+            calls.remove_call_completion(root)
+            calls.install_call_completion(root, self._context, hf_model=False)
+
+    def _check_model_hooks(self) -> None:
+        """Every prepared model still has its call-completion hook (checked before each step: something that clears
+        module hooks after the strategy prepared the models would otherwise let shards run as whole sequences)."""
+        for model in [*self._prepared_models, *self._own_model_roots]:
+            if not calls.has_call_completion(model):
+                raise RuntimeError(
+                    f"The forward pre-hook UlyssesDeepSpeedStrategy installed on {type(model).__name__} is gone: something"
+                    " removed the module hooks after the strategy prepared the model (Lightning's DeepSpeed inference"
+                    " set-up does, and the strategy installs them again after it; a newer Lightning may do it"
+                    " elsewhere). Without it the model's calls would get positions of the shard counted from 0."
+                    " Please report this with your Lightning version."
+                )
+
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
     def teardown(self) -> None:

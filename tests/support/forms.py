@@ -1,0 +1,162 @@
+"""Model forms a user brings that the strategy must handle without being told: length-dependent RoPE (dynamic NTK,
+LongRoPE), own models with learned absolute positions or ``input_pos``, encoders. Each form is built by name, the
+same in the worker processes and in the single-device reference."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader
+
+from tests.support.models import VOCAB
+
+HEAD_DIM = 16
+# Rows of 32 tokens; the RoPE forms switch behaviour past 16 positions, so a shard of 16 (sp=2) sees the short
+# regime while the whole row is in the long one.
+SHORT_CONTEXT = 16
+
+
+def _llama(rope_parameters: dict, max_positions: int, seed: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         rope_parameters=rope_parameters, attn_implementation="sdpa", pad_token_id=0)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def _phi3_longrope(seed: int) -> nn.Module:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    half = HEAD_DIM // 2
+    config = Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * SHORT_CONTEXT,
+                        original_max_position_embeddings=SHORT_CONTEXT, pad_token_id=0, eos_token_id=1,
+                        bos_token_id=1, attn_implementation="sdpa",
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                         "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                         "long_factor": [1.0 + 0.5 * i for i in range(half)],
+                                         "original_max_position_embeddings": SHORT_CONTEXT})
+    torch.manual_seed(seed)
+    return Phi3ForCausalLM(config)
+
+
+class LearnedPositionGPT(nn.Module):
+    """A nanoGPT-style model of a user's own: learned absolute positions ``wpe(torch.arange(T))``, an attention
+    core the user declares (``attention_modules=[SDPACore]``)."""
+
+    def __init__(self, n_embd: int = 32, n_head: int = 4, n_layer: int = 2, max_len: int = 64) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, n_embd), nn.Embedding(max_len, n_embd)
+        self.blocks = nn.ModuleList(SelfAttentionBlock(n_embd, n_head) for _ in range(n_layer))
+        self.head = nn.Linear(n_embd, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # local length under SP: the bug
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class SDPACore(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [B, H, S, D]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class SelfAttentionBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.qkv, self.proj, self.core = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd), SDPACore()
+        self.norm = nn.LayerNorm(n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        y = self.core(q, k, v).transpose(1, 2).reshape(B, T, C)
+        return x + self.proj(y)
+
+
+class InputPosGPT(LearnedPositionGPT):
+    """An own model whose forward takes LitGPT's ``input_pos`` (optional; ``arange(T)`` when left out)."""
+
+    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if input_pos is None:
+            input_pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(input_pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+HF_FORMS = {
+    "llama-dynamic": lambda seed: _llama({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                                         SHORT_CONTEXT, seed),
+    "llama-yarn": lambda seed: _llama({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                       "original_max_position_embeddings": SHORT_CONTEXT}, 4 * SHORT_CONTEXT, seed),
+    "phi3-longrope": _phi3_longrope,
+}
+OWN_FORMS = {"learned-positions": LearnedPositionGPT, "input-pos": InputPosGPT}
+
+
+def build_form(name: str, seed: int = 0) -> nn.Module:
+    if name in HF_FORMS:
+        return HF_FORMS[name](seed)
+    torch.manual_seed(seed)
+    return OWN_FORMS[name]()
+
+
+class FormModule(LightningModule):
+    """The LightningModule a user writes around a form: ``self.model(**batch).loss`` for Hugging Face models,
+    logits + ``strategy.cross_entropy`` for own models (``step="logits"`` for HF models too)."""
+
+    def __init__(self, form: str, dataset, lr: float = 0.5, batch_size: int = 1, collate_fn=None,
+                 step: str = "auto") -> None:
+        super().__init__()
+        self.model = build_form(form)
+        self.hf = form in HF_FORMS
+        self.step = "loss" if step == "auto" and self.hf else ("logits" if step == "auto" else step)
+        self.lr, self.dataset, self.batch_size, self.collate_fn = lr, dataset, batch_size, collate_fn
+
+    def _loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        if self.step == "loss":
+            return self.model(**batch).loss
+        logits = self.model(input_ids=batch["input_ids"]).logits if self.hf else self.model(batch["input_ids"])
+        return self.trainer.strategy.cross_entropy(logits, batch["shift_labels"])
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        if self.hf:
+            return self.model(input_ids=batch["input_ids"]).logits
+        return self.model(batch["input_ids"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def _loader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size, collate_fn=self.collate_fn)
+
+    train_dataloader = val_dataloader = test_dataloader = predict_dataloader = _loader
+
+
+def reference_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One device's logits of a full batch for any form."""
+    if isinstance(model, (LearnedPositionGPT,)):
+        return model(batch["input_ids"])
+    return model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}).logits
