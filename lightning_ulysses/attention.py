@@ -71,6 +71,12 @@ class UlyssesAttention(nn.Module):
         self.ulysses_attention_core = True  # the strategy gives it the SP group in setup
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        context = self.__dict__.get("_ulysses_context")
+        if context is not None and context.plain:  # the model-form check's whole run: plain attention
+            options = {**self.attention_kwargs, **kwargs}
+            if self.attention_fn is None and key.shape[1] != query.shape[1]:
+                options.setdefault("enable_gqa", True)
+            return (self.attention_fn or F.scaled_dot_product_attention)(query, key, value, **options)
         if self.group is None:
             raise RuntimeError("UlyssesAttention has no SP group: train with UlyssesDeepSpeedStrategy or set .group.")
         return ulysses_attention(query, key, value, self.group, self.attention_fn, **{**self.attention_kwargs,
@@ -93,11 +99,14 @@ def find_attention_cores(root: nn.Module, selectors: Sequence[ModuleSelector]) -
 _ORIGINAL_FORWARD = "_ulysses_original_forward"
 
 
-def wrap_attention_core(module: nn.Module, group: dist.ProcessGroup) -> None:
+def wrap_attention_core(module: nn.Module, group: dist.ProcessGroup, context: Any = None) -> None:
     """Make ``module`` sequence-parallel: its ``forward(q, k, v, **kw)`` (``[B, H, S, D]`` in and out) now takes
-    and returns this rank's shards, and runs on the full sequence for its share of the heads. Idempotent."""
+    and returns this rank's shards, and runs on the full sequence for its share of the heads. Idempotent. With the
+    strategy's step ``context``, it runs as the plain core while ``context.plain`` (the model-form check's whole
+    run)."""
     if isinstance(module, UlyssesAttention):
         module.group = group
+        module.__dict__["_ulysses_context"] = context
         return
     if _ORIGINAL_FORWARD in module.__dict__:
         module.__dict__["_ulysses_group"] = group
@@ -106,7 +115,18 @@ def wrap_attention_core(module: nn.Module, group: dist.ProcessGroup) -> None:
     module.__dict__[_ORIGINAL_FORWARD] = original
     module.__dict__["_ulysses_group"] = group
 
-    def sequence_parallel_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any):
+    def sequence_parallel_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                                  **kwargs: Any):
+        if context is not None and context.plain:
+            return original(query, key, value, *args, **kwargs)
+        if args:
+            raise TypeError(
+                f"{type(module).__name__} is declared as an attention core, so it must be called as"
+                " `core(q, k, v, **keywords)` with q, k, v of shape [B, H, S, D]; it was called with"
+                f" {3 + len(args)} positional arguments. Declare the module that does the attention product itself"
+                " (the one whose forward takes q, k, v), not the attention block around it (which takes hidden"
+                " states, masks, positions)."
+            )
         return ulysses_attention(query, key, value, module.__dict__["_ulysses_group"], original, **kwargs)
 
     module.forward = sequence_parallel_forward  # type: ignore[method-assign]
@@ -116,6 +136,7 @@ def unwrap_attention_core(module: nn.Module) -> None:
     """Undo :func:`wrap_attention_core`."""
     if isinstance(module, UlyssesAttention):
         module.group = None
+        module.__dict__.pop("_ulysses_context", None)
         return
     original = module.__dict__.pop(_ORIGINAL_FORWARD, None)
     module.__dict__.pop("_ulysses_group", None)

@@ -62,13 +62,13 @@ def remove_call_completion(model: nn.Module) -> None:
 
 
 def position_taking_roots(root: nn.Module, cores: list[nn.Module]) -> list[nn.Module]:
-    """The outermost modules below ``root`` that contain one of ``cores`` and whose ``forward`` takes an optional
-    ``position_ids`` (an own model's top module, typically)."""
+    """The outermost modules below ``root`` that contain one of ``cores`` and whose ``forward`` takes optional
+    positions (``position_ids``, or LitGPT's ``input_pos``): an own model's top module, typically."""
     core_ids = {id(core) for core in cores}
     found: list[nn.Module] = []
     covered: set[int] = set()
     for _, module in root.named_modules():
-        if module is root or id(module) in covered or not accepts_position_ids(module):
+        if module is root or id(module) in covered or position_parameter(module) is None:
             continue
         if any(id(m) in core_ids for m in module.modules()):
             found.append(module)
@@ -76,11 +76,32 @@ def position_taking_roots(root: nn.Module, cores: list[nn.Module]) -> list[nn.Mo
     return found
 
 
+POSITION_PARAMETERS = ("position_ids", "input_pos")
+
+
+def position_parameter(module: nn.Module) -> Optional[str]:
+    """The name of ``module.forward``'s optional positions parameter (``position_ids`` or ``input_pos``), if any."""
+    signature = _signature(type(module))
+    for name in POSITION_PARAMETERS:
+        parameter = signature.parameters.get(name) if signature is not None else None
+        if parameter is not None and parameter.default is not inspect.Parameter.empty:
+            return name
+    return None
+
+
 def accepts_position_ids(module: nn.Module) -> bool:
     """Whether ``module.forward`` has a ``position_ids`` parameter that may be left out."""
+    return accepts_argument(module, "position_ids")
+
+
+def accepts_argument(module: nn.Module, name: str) -> bool:
+    """Whether ``module.forward`` takes ``name`` (by name, or through ``**kwargs``)."""
     signature = _signature(type(module))
-    parameter = signature.parameters.get("position_ids") if signature is not None else None
-    return parameter is not None and parameter.default is not inspect.Parameter.empty
+    if signature is None:
+        return False
+    if name in signature.parameters:
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,6 +143,19 @@ def outside_step_error(name: str) -> str:
     )
 
 
+def num_items_error(name: str) -> str:
+    return (
+        f"{name} was given `num_items_in_batch`, which its loss divides the summed token losses by. Under sequence"
+        " parallelism a count computed inside the step (e.g. `(batch[\"labels\"] != -100).sum()`) counts this rank's"
+        " shard only, and the strategy cannot know what your expression means on the whole batch, so it refuses"
+        " rather than replace it. Leave `num_items_in_batch` out: the loss is then the mean over the target tokens"
+        " of the whole batch (over the whole accumulation window when accumulating), what one device computes for"
+        " `model(**batch).loss`. For another weighting, compute the loss from the logits with"
+        " `strategy.cross_entropy(logits, batch[\"shift_labels\"], weight=...)` (a weighted mean over the whole"
+        " batch) or `strategy.token_mean(...)`."
+    )
+
+
 def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: StepContext) -> Optional[tuple]:
     if context.plain:
         return None
@@ -131,6 +165,8 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
     named = _as_keywords(model, args, kwargs)
     if named is None:
         return None
+    if named.get("num_items_in_batch") is not None:
+        raise ValueError(num_items_error(name))
     shard = context.shard_info
     tokens = named.get("input_ids")
     if tokens is None:
@@ -172,17 +208,18 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
 
 
 def _complete_own_call(module: nn.Module, args: tuple, kwargs: dict, context: StepContext) -> Optional[tuple]:
-    """Positions only, for a module of the user's own model whose forward takes ``position_ids``."""
+    """Positions only, for a module of the user's own model whose forward takes ``position_ids`` or ``input_pos``."""
     if context.plain or not context.in_step or context.shard_info is None or context.shard_info.shard_shape is None:
         return None
+    parameter = position_parameter(module)
     named = _as_keywords(module, args, kwargs)
-    if named is None or named.get("position_ids") is not None:
+    if parameter is None or named is None or named.get(parameter) is not None:
         return None
     tokens = next((v for v in named.values() if isinstance(v, torch.Tensor) and v.ndim >= 2), None)
     if tokens is None or tokens.shape[1] != context.shard_info.shard_shape[1]:
         return None
-    named["position_ids"] = _positions(type(module).__name__, None, int(tokens.shape[0]), context.shard_info, context,
-                                       tokens.device)
+    named[parameter] = _positions(type(module).__name__, None, int(tokens.shape[0]), context.shard_info, context,
+                                  tokens.device)
     return (), named
 
 

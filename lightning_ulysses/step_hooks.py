@@ -74,6 +74,9 @@ class StepHooks:
                 {key: batch.get(key) for key in ("position_ids", "attention_mask")} if isinstance(batch, dict) else {})
             if kind == "train":
                 self._context.incoming_gradients = []
+        if self._form_check_pending:  # before the first step of this stage computes anything
+            self._form_check_pending = False
+            self._check_model_form(batch)
         try:
             yield
         finally:

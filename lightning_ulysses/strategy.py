@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_ulysses import building, calls, generation, hf, hf_attention, memory, moe, refusals
+from lightning_ulysses import building, calls, form_check, generation, hf, hf_attention, memory, moe, refusals
 from lightning_ulysses.agreement import SPAgreement
 from lightning_ulysses.attention import ModuleSelector, find_attention_cores, unwrap_attention_core, wrap_attention_core
 from lightning_ulysses.checkpoint_hooks import CheckpointHooks
@@ -100,6 +100,11 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         verify_checkpoints: record every checkpoint file's SHA-256 in the completion marker when saving (each rank
             hashes a share of the files) and check them before resuming or evaluating from a checkpoint; a file
             whose bytes changed is refused. ``False`` skips the hashing on both sides (sizes are still checked).
+        check_model_form: before the first step of every Trainer stage (fit, validate, test, predict), run the
+            model on a short probe whole and sharded on every rank and stop, before any weight changes, if its output
+            depends on which shard a rank holds (a model that computes positions, a RoPE frequency choice or a window
+            from its shard as if it were the whole sequence; see :mod:`lightning_ulysses.form_check`). Two forward
+            passes of a few tokens per stage. ``False`` skips it.
         ring_size: Hybrid Ulysses × ring sequence parallelism (USP): the SP group is ``ring_size`` ring groups of
             ``sp_size / ring_size`` Ulysses ranks (consecutive ranks, so a Ulysses group stays inside a node).
             Attention exchanges heads over the Ulysses ranks, then attends across the ring groups (key/value blocks
@@ -124,6 +129,7 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         check_sp_agreement: bool = True,
         verify_checkpoints: bool = True,
         ring_size: int = 1,
+        check_model_form: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -143,6 +149,9 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         self._saved_modes: building.ModuleModes = []
         self.check_sp_agreement = check_sp_agreement
         self.verify_checkpoints = verify_checkpoints
+        self.check_model_form = check_model_form
+        self._form_check_pending = False
+        self._form_check_roots: list[Module] = []
         self._agreement: Optional[SPAgreement] = None
         self._step_queues: dict[str, ShardInfoQueue] = {}
         self._prepared_loaders: list[Any] = []  # given their own collate functions back in teardown
@@ -287,13 +296,42 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self._saved_modes.extend(building.train_mode_for_fit(models))
         for core in cores:
-            wrap_attention_core(core, self.sp_group)
+            wrap_attention_core(core, self.sp_group, self._context)
         self._wrapped_cores = cores
         # Own models: the outermost modules around the attention cores whose forward takes `position_ids` get the
         # shard's positions when called without them.
         self._own_model_roots = calls.position_taking_roots(self.lightning_module, cores)
         for root in self._own_model_roots:
             calls.install_call_completion(root, self._context, hf_model=False)
+        self._form_check_roots = form_check.own_model_roots(self.lightning_module, cores, models,
+                                                            self._own_model_roots)
+        self._form_check_pending = self.check_model_form and self.sp_size > 1
+
+    def _check_model_form(self, batch: Any) -> None:
+        """The model-form check on the first step's batch (:mod:`lightning_ulysses.form_check`)."""
+        context = self._context
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        if context is None or context.shard_info is None or not isinstance(ids, torch.Tensor):
+            return
+        models = self._prepared_models
+        probe = form_check.build_probe(context.shard_info, ids, self.layout.geometry, self.sp_rank, self.sp_group,
+                                       form_check.longest_window(models))
+        targets = [(m, form_check.whole_hf_call, form_check.sharded_hf_call) for m in models]
+        targets += [(root, form_check.whole_own_call, form_check.sharded_own_call) for root in self._form_check_roots]
+        form_check.check_model_form(targets, probe, context, self.root_device, self._plain_models)
+
+    @contextmanager
+    def _plain_models(self) -> Generator[None, None, None]:
+        """Every prepared model and attention core runs plain (unsharded) inside the block."""
+        assert self._context is not None
+        with ExitStack() as stack:
+            for model in self._prepared_models:
+                stack.enter_context(hf.plain_mode(model, self._context))
+            self._context.plain = True
+            try:
+                yield
+            finally:
+                self._context.plain = False
 
     def _reinstall_model_hooks(self) -> None:
         """The prepared models' forward pre-hooks again, after Lightning's DeepSpeed inference set-up removed every
