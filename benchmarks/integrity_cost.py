@@ -1,12 +1,15 @@
-"""What the safety checks cost: the per-step SP-peer agreement check and the checkpoint digests.
+"""What the safety checks cost: the per-step SP-peer agreement check, the once-per-stage model-form check and the
+checkpoint digests.
 
     python benchmarks/integrity_cost.py                 # CPU: 2 processes, sp=2, S=4096, about 3 minutes
     python benchmarks/integrity_cost.py --seq-len 32768 --hidden 1024 --layers 8     # on 2 GPUs
 
-1. **Agreement checks, end to end**: the same fit (tiny Llama, sp=2, ZeRO 2, SGD) with
-   ``check_sp_agreement=False`` and ``True`` (the batch check before every step and the loss check after every
-   backward), interleaved ``--repeat`` times in the same two processes; median step time of each (the first 2 steps
-   of every fit are skipped).
+1. **Agreement checks, end to end**: the same fit (tiny Llama, sp=2, ZeRO 2, SGD) with the checks off
+   (``check_sp_agreement=False, check_model_form=False``) and on (the batch check before every step and the loss
+   check after every backward; the model-form check before the first step), interleaved ``--repeat`` times in the
+   same two processes; median step time of each (the first 2 steps of every fit are skipped). The model-form check
+   runs once per stage, between the first batch's arrival (``on_train_batch_start``) and the ``training_step``: that
+   gap of the first step, on minus off, is its cost, reported next to the median step time.
 2. **Their parts**: ``batch_fingerprint`` of a full ``[1, S]`` batch (``input_ids`` + ``labels``; it runs in the
    collate step, i.e. in the DataLoader workers when there are any), the batch check's all-reduce of 6 int64 and the
    loss check's all-reduce of 8 float64 over the SP group (medians of 500). Their sum over the measured step time is
@@ -52,8 +55,10 @@ def worker(args) -> None:
             super().__init__()
             torch.manual_seed(0)
             self.model = LlamaForCausalLM(config)
+            self.entered: list[float] = []
 
         def training_step(self, batch, batch_idx):
+            self.entered.append(time.perf_counter())
             return self.model(**batch).loss
 
         def configure_optimizers(self):
@@ -62,12 +67,14 @@ def worker(args) -> None:
     class StepTimer(Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.starts: list[float] = []
             self.t0 = 0.0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if cuda:
                 torch.cuda.synchronize()
             self.t0 = time.perf_counter()
+            self.starts.append(self.t0)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if cuda:
@@ -75,17 +82,21 @@ def worker(args) -> None:
             self.times.append(time.perf_counter() - self.t0)
 
     step_times: dict[str, list[float]] = {"off": [], "on": []}
+    first_gaps: dict[str, list[float]] = {"off": [], "on": []}  # first step: batch start -> training_step
     for _ in range(args.repeat):
         for setting in ("off", "on"):
             os.environ["WORLD_SIZE"] = str(args.procs)  # Lightning's teardown removes it after each fit
             timer = StepTimer()
-            strategy = UlyssesDeepSpeedStrategy(sp_size=args.procs, stage=2, check_sp_agreement=setting == "on")
+            strategy = UlyssesDeepSpeedStrategy(sp_size=args.procs, stage=2, check_sp_agreement=setting == "on",
+                                                check_model_form=setting == "on")
             trainer = Trainer(accelerator="cuda" if cuda else "cpu", devices=args.procs, strategy=strategy,
                               max_steps=args.steps, precision="bf16-mixed" if cuda else "32-true", logger=False,
                               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                               callbacks=[timer])
-            trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=1))
+            module = Module()
+            trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=1))
             step_times[setting].extend(timer.times[2:])
+            first_gaps[setting].append(module.entered[0] - timer.starts[0])
 
     # The checks' collectives alone, MAX over the SP group (here: the whole world): the batch check's 6 int64 and
     # the loss check's 8 float64.
@@ -106,7 +117,8 @@ def worker(args) -> None:
     batch_check = median_all_reduce(torch.zeros(6, dtype=torch.int64, device=device))
     loss_check = median_all_reduce(torch.zeros(8, dtype=torch.float64, device=device))
     if dist.get_rank() == 0:
-        Path(args.result).write_text(json.dumps({"step_times": step_times, "all_reduce_s": batch_check,
+        Path(args.result).write_text(json.dumps({"step_times": step_times, "first_gaps": first_gaps,
+                                                 "all_reduce_s": batch_check,
                                                  "loss_all_reduce_s": loss_check}))
 
 
@@ -181,12 +193,14 @@ def main() -> None:
     fingerprint_s = fingerprint_cost(args.seq_len)
     parts_share = (fingerprint_s + measured["all_reduce_s"] + measured["loss_all_reduce_s"]) / off
     digests = digest_cost(args.digest_mib * 2**20)
+    form_check_s = statistics.median(measured["first_gaps"]["on"]) - statistics.median(measured["first_gaps"]["off"])
     summary = {
         "seq_len": args.seq_len, "procs": args.procs, "hidden": args.hidden, "layers": args.layers,
         "step_s_check_off": off, "step_s_check_on": on, "end_to_end_overhead": on / off - 1,
         "fingerprint_ms": fingerprint_s * 1e3, "fingerprint_ns_per_token": fingerprint_s / args.seq_len * 1e9,
         "all_reduce_ms": measured["all_reduce_s"] * 1e3, "loss_all_reduce_ms": measured["loss_all_reduce_s"] * 1e3,
-        "check_share_of_step": parts_share, **digests,
+        "check_share_of_step": parts_share, "model_form_check_ms": form_check_s * 1e3,
+        "model_form_check_share_of_step": form_check_s / off, **digests,
     }
     (OUT / "integrity_cost.json").write_text(json.dumps(summary, indent=1))
     print(f"S={args.seq_len}, sp={args.procs}: median step {off * 1e3:.1f} ms with the check off,"
@@ -195,6 +209,8 @@ def main() -> None:
           f" ns/token) + batch check all-reduce of 6 int64 {measured['all_reduce_s'] * 1e3:.3f} ms"
           f" + loss check all-reduce of 8 float64 {measured['loss_all_reduce_s'] * 1e3:.3f} ms"
           f" = {100 * parts_share:.3f}% of a step")
+    print(f"  model-form check (once per stage, before the first step): {form_check_s * 1e3:.1f} ms ="
+          f" {100 * form_check_s / off:.2f}% of one step")
     print(f"  checkpoint digests: SHA-256 {digests['sha256_GBps']:.2f} GB/s ({digests['sha256_seconds_per_GB']:.2f}"
           f" s/GB, per rank on its share); torch.save {digests['save_GBps']:.2f} GB/s; hash/save"
           f" {digests['hash_over_save']:.2f}")

@@ -143,6 +143,15 @@ def outside_step_error(name: str) -> str:
     )
 
 
+def _same_tensor(given: Any, batch: Any) -> bool:
+    """``given`` is the step batch's tensor (the same object, or equal values: DeepSpeed's ZeRO-3 engine hands the
+    step copies of the batch's tensors)."""
+    if given is batch:
+        return True
+    return (isinstance(given, torch.Tensor) and isinstance(batch, torch.Tensor) and given.shape == batch.shape
+            and bool(torch.equal(given, batch.to(given.device))))
+
+
 def num_items_error(name: str) -> str:
     return (
         f"{name} was given `num_items_in_batch`, which its loss divides the summed token losses by. Under sequence"
@@ -195,6 +204,10 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
     if given_mask is not None and shard.attention_mask is not None:
         counted = counted & shard.attention_mask[:rows].bool()
     context.router_token_mask = counted.expand(rows, length)
+    masked_lm = getattr(model, "loss_type", None) == "ForMaskedLM"
+    if masked_lm and named.get("labels") is not None and _same_tensor(named.get("shift_labels"),
+                                                                      batch_tensors.get("shift_labels")):
+        named.pop("shift_labels", None)  # the collate step's next-token targets mean nothing to a masked LM
     if named.get("labels") is not None and named.get("shift_labels") is None:
         labels = named["labels"]
         if not isinstance(labels, torch.Tensor) or tuple(labels.shape[:2]) != shard.shard_shape:
@@ -203,7 +216,17 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
                 ": under sequence parallelism labels must be the shard's (e.g. `batch[\"labels\"]` or"
                 " `batch[\"input_ids\"]`), so that their next-token targets can be built across the shard boundary."
             )
-        named["shift_labels"] = shift_labels_across_shards(labels, shard, context.sp_group)
+        if masked_lm and shard.window_tokens is not None:
+            raise ValueError(
+                f"{name} is a masked LM trained with gradient accumulation: the strategy counts an accumulation"
+                " window's target tokens as next-token targets, which a masked LM does not have, so the loss"
+                " would be normalised by the wrong count. Train masked LMs under sequence parallelism with"
+                " accumulate_grad_batches=1 (a larger batch instead)."
+            )
+        if masked_lm:
+            named["shift_labels"] = labels  # a masked LM's target at each position is its own label: no shift
+        else:
+            named["shift_labels"] = shift_labels_across_shards(labels, shard, context.sp_group)
     return (), named
 
 
@@ -289,10 +312,10 @@ def _positions(name: str, given: Any, rows: int, shard: ShardInfo, context: Step
 def _device_positions(shard: ShardInfo, context: StepContext, device: torch.device) -> torch.Tensor:
     cache = context.device_positions
     key = (id(shard), str(device))
-    if key not in cache:
+    if key not in cache or cache[key][0] is not shard:  # the shard is held, so its id is not reused while cached
         cache.clear()
-        cache[key] = shard.position_ids.to(device)  # type: ignore[union-attr]
-    return cache[key]
+        cache[key] = (shard, shard.position_ids.to(device))  # type: ignore[union-attr]
+    return cache[key][1]
 
 
 def _check_attention_mask(name: str, mask: Any, rows: int, shard: ShardInfo) -> None:

@@ -216,9 +216,10 @@ class ModuleStateSnapshot:
 
 
 @contextlib.contextmanager
-def quiet_and_repeatable(modules: list[nn.Module], device: torch.device) -> Iterator[None]:
+def quiet_and_repeatable(modules: list[nn.Module], device: torch.device) -> Iterator[ModuleStateSnapshot]:
     """Eval mode (no dropout), no gradients; the random state and the modules' state (buffers, plain attributes)
-    restored afterwards, so the first real step computes what it would have computed without the probe."""
+    restored afterwards, so the first real step computes what it would have computed without the probe. Yields the
+    snapshot, so that each run can start from it (``snapshot.restore()``)."""
     modes = [(m, m.training) for root in modules for m in root.modules()]
     snapshot = ModuleStateSnapshot(modules)
     devices = [device.index or 0] if device.type == "cuda" else []
@@ -226,7 +227,7 @@ def quiet_and_repeatable(modules: list[nn.Module], device: torch.device) -> Iter
         for root in modules:
             root.eval()
         try:
-            yield
+            yield snapshot
         finally:
             for module, training in modes:
                 module.training = training
@@ -248,7 +249,7 @@ def check_model_form(targets: list[tuple[nn.Module, Callable[..., Any], Callable
     local_ids = probe.ids[:, probe.index]  # [1, n]
     saved = (context.shard_info, context.tile_shard_len, context.in_step, context.step_batch_tensors,
              context.router_token_mask)
-    with quiet_and_repeatable([t[0] for t in targets], device):
+    with quiet_and_repeatable([t[0] for t in targets], device) as snapshot:
         for model, whole_call, sharded_call in targets:
             name = type(model).__name__
             whole_outputs = ModuleOutputs(model)
@@ -257,6 +258,7 @@ def check_model_form(targets: list[tuple[nn.Module, Callable[..., Any], Callable
                     whole = first_tensor(whole_call(model, probe.ids, probe.positions))
             finally:
                 whole_outputs.close()
+                snapshot.restore()  # the sharded run starts from the same state (dynamic NTK remembers lengths)
             sharded_outputs = ModuleOutputs(model)
             context.shard_info, context.tile_shard_len, context.in_step = probe.shard, None, True
             context.step_batch_tensors = {}
@@ -266,6 +268,7 @@ def check_model_form(targets: list[tuple[nn.Module, Callable[..., Any], Callable
                 sharded_outputs.close()
                 (context.shard_info, context.tile_shard_len, context.in_step, context.step_batch_tensors,
                  context.router_token_mask) = saved
+                snapshot.restore()
             if whole is None or sharded is None:
                 continue
             dim = _sequence_dim(whole, sharded, length, n)

@@ -88,19 +88,27 @@ def sliding_window_of(kwargs: dict[str, Any]) -> Optional[int]:
 
 def _sdpa_causal(inner: Callable, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  window: Optional[int], kwargs: dict[str, Any]) -> torch.Tensor:
-    """Causal SDPA over one sequence, ``q/k/v [B, h, L, D] -> [B, L, hq, D]``; with a ``window`` shorter than ``L``
-    an exact banded computation: query blocks of ``window`` positions, each against the ``2·window - 1`` keys it can
-    see, with the window mask (key > query - window). Memory grows with ``L × window``, not ``L²``."""
+    """SDPA over one sequence, causal (or bidirectional for modules with ``is_causal = False``, encoders),
+    ``q/k/v [B, h, L, D] -> [B, L, hq, D]``; with a ``window`` shorter than ``L`` an exact banded computation: query
+    blocks of ``window`` positions, each against the keys it can see, with the window mask (causal: key > query -
+    window; bidirectional: |key - query| < window, transformers' bidirectional sliding window). Memory grows with
+    ``L × window``, not ``L²``."""
     L = q.shape[2]
     if window is None or window >= L:
         return inner(module, q, k, v, None, **kwargs)[0]
+    causal = bool(getattr(module, "is_causal", True))
     pieces = []
     for start in range(0, L, window):
         end = min(start + window, L)
         first_key = max(0, start - window + 1)
-        mask = causal_window_mask(torch.arange(start, end, device=q.device),
-                                  torch.arange(first_key, end, device=q.device), window)  # [lq, lk], True = attend
-        pieces.append(inner(module, q[:, :, start:end], k[:, :, first_key:end], v[:, :, first_key:end],
+        last_key = end if causal else min(L, end + window - 1)
+        q_pos = torch.arange(start, end, device=q.device)
+        k_pos = torch.arange(first_key, last_key, device=q.device)
+        if causal:
+            mask = causal_window_mask(q_pos, k_pos, window)  # [lq, lk], True = attend
+        else:
+            mask = (k_pos[None, :] - q_pos[:, None]).abs() < window
+        pieces.append(inner(module, q[:, :, start:end], k[:, :, first_key:last_key], v[:, :, first_key:last_key],
                             mask[None, None], **kwargs)[0])  # [B, lq, hq, D]
     return torch.cat(pieces, dim=1)
 
@@ -165,6 +173,8 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         if not inner_name.startswith("flash_attention"):
             kwargs.pop("sliding_window", None)
         shard = context.shard_info
+        if not getattr(module, "is_causal", True):
+            _refuse_unsupported_bidirectional(module, inner_name, context)
         if context.ring_size > 1:  # hybrid: q holds this ring rank's S/R tokens, attend over all S
             documents = None
             if shard is not None and shard.packed:  # [B, S]: the document of every global position
@@ -210,6 +220,28 @@ def _refuse_unshardable_inputs(module: nn.Module, attention_mask: Any, kwargs: d
                 " architecture cannot train under sequence parallelism; use sp_size=1."
             )
 
+
+
+def _refuse_unsupported_bidirectional(module: nn.Module, inner_name: str, context: StepContext) -> None:
+    """Bidirectional attention (encoders: BERT, ModernBERT) is exact under the exchange over rows without padding;
+    refuse what would let real tokens see pads or run a causal kernel."""
+    name = type(module).__name__
+    shard = context.shard_info
+    if context.ring_size > 1 or inner_name == "flex_attention":
+        raise ValueError(f"{name} attends bidirectionally (an encoder); under sequence parallelism that is supported"
+                         " with ring_size=1 and attn_implementation 'sdpa' or 'flash_attention_2/3'.")
+    if shard is None:
+        return
+    padded = shard.padded_len != shard.seq_len or (
+        shard.attention_mask is not None and not bool(shard.attention_mask.bool().all()))
+    if padded:
+        raise ValueError(
+            f"{name} attends bidirectionally (an encoder), and this batch has padding (a padding mask with zeros, or"
+            f" a row length {shard.seq_len} that the strategy pads to {shard.padded_len}, a multiple of the SP"
+            " layout): real tokens would attend to the pads, which the strategy's attention over the whole sequence"
+            " does not mask for encoders. Give encoders rows of equal length, a multiple of sp_size, without"
+            " padding (e.g. fixed-length chunks of packed text)."
+        )
 
 
 def packed_documents_error(impl: str) -> str:

@@ -223,9 +223,28 @@ def _bypasses_attention_interface(module: nn.Module) -> bool:
     source = _forward_source(module)
     if source is None:
         return False
+    if any(_uses_attention_interface(m) for m in module.modules() if m is not module):
+        return False  # a wrapper around the module that attends (BERT's BertAttention around BertSelfAttention)
     return not ("ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source)
 
 
 def _calls_sdpa_directly(module: nn.Module) -> bool:
     source = _forward_source(module) or ""
     return _bypasses_attention_interface(module) and "scaled_dot_product_attention(" in source
+
+
+def refuse_tuning_callbacks(callbacks: list) -> None:
+    """Lightning's learning-rate finder (``Tuner.lr_find``) cannot drive a DeepSpeed engine: refuse it before compute,
+    naming what to do instead (``Tuner.scale_batch_size`` is refused by Lightning itself for distributed runs)."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    for callback in callbacks:
+        if isinstance(callback, LearningRateFinder):
+            raise ValueError(
+                "Tuner.lr_find / LearningRateFinder does not work with UlyssesDeepSpeedStrategy: DeepSpeed wraps the"
+                " optimizer in its ZeRO optimizer, which Lightning's learning-rate finder cannot step (it fails"
+                " inside Lightning/DeepSpeed with 'DeepSpeedZeroOptimizer is not an Optimizer'). Run the range test"
+                " as a few short fits with different learning rates (e.g. `Trainer(max_steps=50)` per candidate,"
+                " comparing `train_loss`), or find the rate on one device with `strategy='auto'` and a shorter"
+                " sequence, then train with this strategy."
+            )

@@ -71,7 +71,8 @@ class StepHooks:
         if self._context is not None:
             self._context.in_step = True
             self._context.step_batch_tensors = (
-                {key: batch.get(key) for key in ("position_ids", "attention_mask")} if isinstance(batch, dict) else {})
+                {key: batch.get(key) for key in ("position_ids", "attention_mask", "shift_labels")}
+                if isinstance(batch, dict) else {})
             if kind == "train":
                 self._context.incoming_gradients = []
         if self._form_check_pending:  # before the first step of this stage computes anything

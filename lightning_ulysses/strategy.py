@@ -152,6 +152,7 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         self.check_model_form = check_model_form
         self._form_check_pending = False
         self._form_check_roots: list[Module] = []
+        self.form_checks_run = 0  # model-form checks passed by this strategy (one per Trainer stage)
         self._agreement: Optional[SPAgreement] = None
         self._step_queues: dict[str, ShardInfoQueue] = {}
         self._prepared_loaders: list[Any] = []  # given their own collate functions back in teardown
@@ -255,6 +256,7 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
     def _prepare_models(self) -> None:
         """Validate and switch every HF model to Ulysses attention + SP loss (before any compute)."""
         assert self.lightning_module is not None and isinstance(self.config, dict)
+        refusals.refuse_tuning_callbacks(self.lightning_module.trainer.callbacks)
         models = hf.find_pretrained_models(self.lightning_module)
         cores = [m for _, m in find_attention_cores(self.lightning_module, self.attention_modules)]
         if not models and not cores and self.sp_size > 1:
@@ -319,6 +321,7 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         targets = [(m, form_check.whole_hf_call, form_check.sharded_hf_call) for m in models]
         targets += [(root, form_check.whole_own_call, form_check.sharded_own_call) for root in self._form_check_roots]
         form_check.check_model_form(targets, probe, context, self.root_device, self._plain_models)
+        self.form_checks_run += 1
 
     @contextmanager
     def _plain_models(self) -> Generator[None, None, None]:

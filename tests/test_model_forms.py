@@ -2,6 +2,11 @@
 
 - length-dependent RoPE (dynamic NTK, Phi-3 LongRoPE) chooses its frequencies from the whole batch's largest
   position (packed rows: the longest document), at ZeRO 2 and 3; a static type (yarn) as the control;
+- encoders: ModernBERT (local bidirectional windows on global positions, global layers) with `.loss` (labels not
+  shifted), BERT (learned positions) with `strategy.cross_entropy` on its labels;
+- an own model taking LitGPT's `input_pos` gets global positions;
+- the model-form check stops forms without a fix (learned positions from `torch.arange(T)`) and each fix's removal
+  (mutations), on every rank, before any weight changes;
 - ``trainer.predict/validate/test`` with no fit before give one device's logits and losses (Lightning's DeepSpeed
   inference set-up removes every module hook; the strategy installs its own again).
 """
@@ -11,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.forms import FormModule, build_form, reference_logits
+from tests.support.forms import ENCODER_FORMS, MaskedTokenDataset, build_form, reference_logits
 from tests.support.launcher import launch
 from tests.support.models import PackedDataset, TokenDataset, documents_as_rows, lightning_order, sgd_steps
 from tests.test_parity import rel_diff, update_rel_diff
@@ -25,8 +30,12 @@ def _fit(form: str, stage: int, **options) -> dict:
                 steps=STEPS, seq_len=SEQ_LEN, num_rows=STEPS, **options)
 
 
-ROPE_RUNS = [_fit(form, stage) for form in ("llama-dynamic", "phi3-longrope") for stage in (2, 3)]
-ROPE_RUNS += [_fit("llama-yarn", 2), _fit("phi3-longrope", 2, packed=PACKED), _fit("llama-dynamic", 3, packed=PACKED)]
+FORM_RUNS = [_fit(form, stage) for form in ("llama-dynamic", "phi3-longrope") for stage in (2, 3)]
+FORM_RUNS += [_fit("llama-yarn", 2), _fit("phi3-longrope", 2, packed=PACKED), _fit("llama-dynamic", 3, packed=PACKED)]
+# Encoders: masked LMs with bidirectional attention (ModernBERT's local windows on global positions), unshifted labels.
+# BERT's masked-LM head computes its own CrossEntropyLoss (a mean over the shard): its users compute the loss from
+# the logits with `strategy.cross_entropy` (exact, below); `.loss` is stopped by the SP-peer loss check (test below).
+FORM_RUNS += [_fit("modernbert", 2), _fit("modernbert", 3), dict(_fit("bert", 3), step="logits")]
 EVAL_RUNS = [dict(name=f"{form}-zero{stage}", form=form, stage=stage, seq_len=SEQ_LEN, num_rows=2)
              for form, stage in (("phi3-longrope", 2), ("phi3-longrope", 3), ("llama-dynamic", 0))]
 EVAL_RUNS.append(dict(EVAL_RUNS[0], name="phi3-longrope-logits-zero2", step="logits"))
@@ -34,11 +43,14 @@ EVAL_RUNS.append(dict(EVAL_RUNS[0], name="phi3-longrope-logits-zero2", step="log
 
 @pytest.fixture(scope="module")
 def two():
-    return launch(2, "combined:run", {"fit": ["model_forms:fit", {"runs": ROPE_RUNS}],
+    return launch(2, "combined:run", {"fit": ["model_forms:fit", {"runs": FORM_RUNS}],
                                       "evaluate": ["model_forms:evaluate", {"runs": EVAL_RUNS}]})
 
 
 def _reference_batches(run: dict) -> list[dict]:
+    if run["form"] in ENCODER_FORMS:
+        dataset = MaskedTokenDataset(run["num_rows"], run["seq_len"])
+        return [{k: v[None] for k, v in dataset[i].items()} for i in lightning_order(len(dataset))[:run["steps"]]]
     if run.get("packed"):
         dataset = PackedDataset(run["packed"])
         return [documents_as_rows(dataset, [i]) for i in lightning_order(len(dataset))[:run["steps"]]]
@@ -46,8 +58,8 @@ def _reference_batches(run: dict) -> list[dict]:
     return [{k: v[None] for k, v in dataset[i].items()} for i in lightning_order(len(dataset))[:run["steps"]]]
 
 
-@pytest.mark.parametrize("run", ROPE_RUNS, ids=[r["name"] for r in ROPE_RUNS])
-def test_length_dependent_rope_trains_as_one_device(two, run):
+@pytest.mark.parametrize("run", FORM_RUNS, ids=[r["name"] for r in FORM_RUNS])
+def test_model_form_trains_as_one_device(two, run):
     results = [rank["fit"][run["name"]] for rank in two]
     assert all("error" not in r for r in results), results[0].get("error")
     initial = {k: v.detach().clone() for k, v in build_form(run["form"]).named_parameters()}
@@ -77,3 +89,111 @@ def test_evaluation_outside_fit_is_one_devices(two, run):
             assert rel_diff(got, expected) <= 1e-5
         assert result["validate"]["val_loss"] == pytest.approx(loss, rel=1e-5)
         assert result["test"]["test_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+# The model-form check: forms without a fix are stopped on every rank before the first optimizer step, and every
+# fix's removal (a mutation) is caught by it.
+OWN_RUNS = [_fit("input-pos", 2), _fit("input-pos", 3)]
+STOPPED_RUNS = {
+    "learned-positions-zero2": (_fit("learned-positions", 2), "`wpe` (Embedding)"),
+    "learned-positions-zero3": (_fit("learned-positions", 3), "`wpe` (Embedding)"),
+    "mutation-rope-dynamic": (dict(_fit("llama-dynamic", 2), name="mutation-rope-dynamic", mutation="rope"),
+                              "`model.rotary_emb` (LlamaRotaryEmbedding)"),
+    "mutation-rope-longrope": (dict(_fit("phi3-longrope", 3), name="mutation-rope-longrope", mutation="rope"),
+                               "`model.rotary_emb` (Phi3RotaryEmbedding)"),
+    "mutation-input-pos": (dict(_fit("input-pos", 2), name="mutation-input-pos", mutation="input_pos"),
+                           "`wpe` (Embedding)"),
+    "mutation-encoder-window": (dict(_fit("modernbert", 2), name="mutation-encoder-window",
+                                     mutation="encoder_window"), "`model.layers.1.attn."),
+}
+BERT_OWN_LOSS = dict(_fit("bert", 2), name="bert-own-loss")
+REFUSED_CALLS = {
+    "num-items": (dict(_fit("llama-yarn", 2), name="num-items", step="num_items"), "ValueError: LlamaForCausalLM was"
+                  " given `num_items_in_batch`"),
+    "classifier": (dict(_fit("llama-classifier", 2), name="classifier", step="classify"),
+                   "FormCheckFailed: UlyssesDeepSpeedStrategy stopped"),
+}
+STOPPED_EVAL = dict(EVAL_RUNS[0], name="mutation-eval-hooks", mutation="eval_hooks")
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    runs = OWN_RUNS + [run for run, _ in STOPPED_RUNS.values()] + [BERT_OWN_LOSS]
+    runs += [run for run, _ in REFUSED_CALLS.values()]
+    return launch(2, "combined:run", {"fit": ["model_forms:fit", {"runs": runs}],
+                                      "evaluate": ["model_forms:evaluate", {"runs": [STOPPED_EVAL]}],
+                                      "tuner": ["model_forms:tuner", {}]})
+
+
+def _own_reference(run: dict) -> dict:
+    model = build_form(run["form"])
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for batch in _reference_batches(run):
+        ids = batch["input_ids"]
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": dict(model.named_parameters()), "initial": initial}
+
+
+@pytest.mark.parametrize("run", OWN_RUNS, ids=[r["name"] for r in OWN_RUNS])
+def test_own_model_taking_input_pos_trains_as_one_device(guarded, run):
+    results = [rank["fit"][run["name"]] for rank in guarded]
+    assert all("error" not in r for r in results), results[0].get("error")
+    reference = _own_reference(run)
+    assert rel_diff(results[0]["losses"], reference["losses"]) <= 1e-5
+    assert update_rel_diff(results[0]["weights"], reference["weights"], reference["initial"]) <= 1e-4
+    assert [r["form_checks"] for r in results] == [1, 1]  # the check ran, and passed
+
+
+@pytest.mark.parametrize("name", list(STOPPED_RUNS))
+def test_model_form_check_stops_a_shard_dependent_model_before_any_weight_changes(guarded, name):
+    run, module = STOPPED_RUNS[name]
+    for rank in guarded:
+        result = rank["fit"][run["name"]]
+        assert "error" in result, f"{name} trained: {result['losses']}"
+        assert result["error"].startswith("FormCheckFailed"), result["error"]
+        assert "rank 1:" in result["error"] and module in result["error"], result["error"]
+        assert result["losses"] == [] and result["changed"] == 0.0
+        assert result["seconds"] < 60
+
+
+def test_model_form_check_catches_evaluation_without_the_strategys_hooks(guarded):
+    for rank in guarded:
+        error = rank["evaluate"][STOPPED_EVAL["name"]].get("error", "")
+        assert error.startswith("FormCheckFailed") and "Phi3ForCausalLM" in error, error
+
+
+def test_model_form_check_ran_once_per_fit(two):
+    for rank in two:
+        assert all(rank["fit"][run["name"]]["form_checks"] == 1 for run in FORM_RUNS)
+
+
+def test_a_model_whose_head_averages_its_shard_is_stopped_by_the_loss_check(guarded):
+    """BertForMaskedLM computes `CrossEntropyLoss()(logits, labels)` itself: a mean over this rank's tokens."""
+    for rank in guarded:
+        result = rank["fit"][BERT_OWN_LOSS["name"]]
+        assert result.get("error", "").startswith("SPLossMismatchError"), result
+        assert result["changed"] == 0.0
+
+
+def test_lightnings_tuner_is_refused_with_the_alternative(guarded):
+    for rank in guarded:
+        assert rank["tuner"]["lr_find"].startswith("ValueError: Tuner.lr_find"), rank["tuner"]["lr_find"]
+        assert "short fits with different learning rates" in rank["tuner"]["lr_find"]
+        assert "not supported" in rank["tuner"]["scale_batch_size"]  # Lightning's own refusal, before any step
+
+
+@pytest.mark.parametrize("name", list(REFUSED_CALLS))
+def test_calls_without_a_one_device_meaning_are_refused(guarded, name):
+    """`num_items_in_batch` computed on the shard, a sequence classifier's one output per row."""
+    run, start = REFUSED_CALLS[name]
+    for rank in guarded:
+        result = rank["fit"][run["name"]]
+        assert result.get("error", "").startswith(start), result.get("error")
+        assert result["changed"] == 0.0

@@ -46,6 +46,61 @@ def _phi3_longrope(seed: int) -> nn.Module:
     return Phi3ForCausalLM(config)
 
 
+def _modernbert(seed: int, **options) -> nn.Module:
+    """ModernBERT masked LM: local (bidirectional window of ±4 tokens) and global layers."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    config = ModernBertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                              num_attention_heads=4, local_attention=8, global_attn_every_n_layers=3,
+                              attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                              cls_token_id=1, sep_token_id=2, mask_token_id=MASK_TOKEN, **options)
+    torch.manual_seed(seed)
+    return ModernBertForMaskedLM(config)
+
+
+def _bert(seed: int) -> nn.Module:
+    """BERT masked LM (learned absolute positions, bidirectional attention through transformers' interface)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, attn_implementation="sdpa", pad_token_id=0)
+    torch.manual_seed(seed)
+    return BertForMaskedLM(config)
+
+
+def _llama_classifier(seed: int) -> nn.Module:
+    """A sequence classifier: one output per row (the last token's), not per token."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=3, attn_implementation="sdpa",
+                         pad_token_id=0)
+    torch.manual_seed(seed)
+    return LlamaForSequenceClassification(config)
+
+
+MASK_TOKEN = 3
+
+
+class MaskedTokenDataset(torch.utils.data.Dataset):
+    """Masked-LM rows: every third token replaced by the mask token, labels only there (-100 elsewhere)."""
+
+    def __init__(self, num_rows: int, seq_len: int, seed: int = 7) -> None:
+        g = torch.Generator().manual_seed(seed)
+        original = torch.randint(4, VOCAB, (num_rows, seq_len), generator=g)
+        chosen = torch.zeros(num_rows, seq_len, dtype=torch.bool)
+        chosen[:, 1::3] = True
+        self.rows = torch.where(chosen, torch.full_like(original, MASK_TOKEN), original)
+        self.labels = torch.where(chosen, original, torch.full_like(original, -100))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.labels[i]}
+
+
 class LearnedPositionGPT(nn.Module):
     """A nanoGPT-style model of a user's own: learned absolute positions ``wpe(torch.arange(T))``, an attention
     core the user declares (``attention_modules=[SDPACore]``)."""
@@ -101,7 +156,11 @@ HF_FORMS = {
     "llama-yarn": lambda seed: _llama({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                        "original_max_position_embeddings": SHORT_CONTEXT}, 4 * SHORT_CONTEXT, seed),
     "phi3-longrope": _phi3_longrope,
+    "modernbert": _modernbert,
+    "bert": _bert,
+    "llama-classifier": lambda seed: _llama_classifier(seed),
 }
+ENCODER_FORMS = ("modernbert", "bert")
 OWN_FORMS = {"learned-positions": LearnedPositionGPT, "input-pos": InputPosGPT}
 
 
@@ -127,8 +186,15 @@ class FormModule(LightningModule):
     def _loss(self, batch: dict[str, Any]) -> torch.Tensor:
         if self.step == "loss":
             return self.model(**batch).loss
+        if self.step == "num_items":  # a user's own normaliser, computed in the step (on the shard under SP)
+            return self.model(**batch, num_items_in_batch=(batch["labels"] != -100).sum()).loss
+        if self.step == "classify":
+            logits = self.model(input_ids=batch["input_ids"]).logits  # [B, num_labels]
+            return F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long, device=logits.device))
         logits = self.model(input_ids=batch["input_ids"]).logits if self.hf else self.model(batch["input_ids"])
-        return self.trainer.strategy.cross_entropy(logits, batch["shift_labels"])
+        # a masked LM's targets are its labels where they are; a causal LM's the next tokens (the collate step's)
+        targets = batch["labels"] if getattr(self.model, "loss_type", None) == "ForMaskedLM" else batch["shift_labels"]
+        return self.trainer.strategy.cross_entropy(logits, targets)
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)
