@@ -41,6 +41,13 @@ from lightning_ulysses.context import ShardInfo, StepContext
 from lightning_ulysses.geometry import SequenceGeometry
 
 PROBE_TOKENS_PER_BLOCK = 4
+_probe_depth = 0
+
+
+def probe_running() -> bool:
+    """Whether the model-form check's probe is running now: for instrumentation that counts or records a step's
+    calls (attention shapes, collectives) and should leave the probe's two forward passes out."""
+    return _probe_depth > 0
 _WINDOW_KEYS = ("sliding_window", "local_attention", "attention_window", "window_size")
 
 
@@ -244,6 +251,17 @@ def check_model_form(targets: list[tuple[nn.Module, Callable[..., Any], Callable
     """Run every ``(model, whole_call, sharded_call)`` of ``targets`` on the probe, whole (inside ``plain()``) and
     sharded (with ``probe.shard`` as the step's shard facts); raise :class:`FormCheckFailed` on every rank if any
     rank's outputs differ. ``whole_call(model, ids, positions)`` / ``sharded_call(model, ids)`` return the output."""
+    global _probe_depth
+    _probe_depth += 1
+    try:
+        findings = _run_probe(targets, probe, context, device, plain)
+    finally:
+        _probe_depth -= 1
+    _agree_and_raise(findings, probe.ids.shape[1])
+
+
+def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.device,
+               plain: Callable[[], contextlib.AbstractContextManager]) -> list[str]:
     findings: list[str] = []
     n, length = len(probe.index), probe.ids.shape[1]
     local_ids = probe.ids[:, probe.index]  # [1, n]
@@ -283,6 +301,11 @@ def check_model_form(targets: list[tuple[nn.Module, Callable[..., Any], Callable
                                 f" {probe.shard.position_ids[0].tolist()} differs from the same positions of the whole"
                                 f" probe by {difference:.2e} (relative); first module whose output differs: "
                                 f"{module or '(none found: the difference arises in the model body itself)'}")
+    return findings
+
+
+def _agree_and_raise(findings: list[str], length: int) -> None:
+    """Every rank's findings to every rank; all raise if any rank found a difference."""
     everyone = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     mine = "; ".join(findings) if findings else None
     if dist.is_initialized():

@@ -14,6 +14,7 @@ from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
+from lightning_ulysses.form_check import probe_running
 from lightning_ulysses.mixer_families import FAMILIES
 from tests.support.architectures import ARCHITECTURES, batches, build_model
 from tests.support.training import LAUNCH_WORLD_SIZE, make_trainer
@@ -99,8 +100,9 @@ def mixer_collectives(payload: dict) -> dict:
     recurrence = getattr(modeling, name) if name else None
     shapes: list = []
 
-    def spy(*args, **kwargs):  # the shapes the mixer's own recurrence runs on
-        shapes.append(tuple(args[position].shape))
+    def spy(*args, **kwargs):  # the shapes the mixer's own recurrence runs on (not the model-form check's probe)
+        if not probe_running():
+            shapes.append(tuple(args[position].shape))
         return recurrence(*args, **kwargs)
 
     if name:

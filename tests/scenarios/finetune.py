@@ -106,7 +106,9 @@ class FinetuneRecorder(Callback):
                 self._hooks.append(module.register_forward_pre_hook(self._count))
 
     def _count(self, *_: Any) -> None:
-        self._calls += 1
+        from lightning_ulysses.form_check import probe_running
+
+        self._calls += 0 if probe_running() else 1
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._calls = 0
