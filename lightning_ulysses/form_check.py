@@ -372,5 +372,16 @@ def whole_own_call(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor)
     return model(ids, **({parameter: positions} if parameter else {}))
 
 
+def whole_litgpt_call(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> Any:
+    """A LitGPT ``GPT`` on the whole probe with the probe's positions (its RoPE rows put first, as in a step)."""
+    from lightning_ulysses.litgpt_models import put_back_rope_rows, rope_rows
+
+    rope_rows(model, positions[0])
+    try:
+        return model(ids)
+    finally:
+        put_back_rope_rows(model)
+
+
 def sharded_own_call(model: nn.Module, ids: torch.Tensor) -> Any:
     return model(ids)

@@ -248,3 +248,18 @@ def refuse_tuning_callbacks(callbacks: list) -> None:
                 " comparing `train_loss`), or find the rate on one device with `strategy='auto'` and a shorter"
                 " sequence, then train with this strategy."
             )
+
+
+def validate_litgpt_model(model: nn.Module, sp_size: int, ring_size: int) -> None:
+    """A LitGPT ``GPT`` under SP: Ulysses only, at least one head per rank, no sliding-window layers."""
+    config = model.config
+    name = f"LitGPT GPT ({getattr(config, 'name', '') or 'custom config'})"
+    if ring_size > 1:
+        raise ValueError(f"{name}: LitGPT models are supported with ring_size=1 (Ulysses) only.")
+    if config.n_head < sp_size:
+        raise ValueError(f"{name} has n_head={config.n_head}, fewer than sp_size={sp_size}: use sp_size <= "
+                         f"{config.n_head}.")
+    if getattr(config, "sliding_window_size", None):
+        raise ValueError(f"{name} has sliding-window layers (sliding_window_size={config.sliding_window_size}),"
+                         " whose mask LitGPT builds for the local sequence: not supported under sequence"
+                         " parallelism yet.")

@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_ulysses import building, calls, form_check, generation, hf, hf_attention, memory, moe, refusals
+from lightning_ulysses import (building, calls, form_check, generation, hf, hf_attention, litgpt_models, memory, moe,
+                               refusals)
 from lightning_ulysses.agreement import SPAgreement
 from lightning_ulysses.attention import ModuleSelector, find_attention_cores, unwrap_attention_core, wrap_attention_core
 from lightning_ulysses.checkpoint_hooks import CheckpointHooks
@@ -157,6 +158,7 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         self._step_queues: dict[str, ShardInfoQueue] = {}
         self._prepared_loaders: list[Any] = []  # given their own collate functions back in teardown
         self._own_model_roots: list[Module] = []
+        self._litgpt_models: list[Module] = []  # LitGPT GPTs, prepared by lightning_ulysses.litgpt_models
         self._patches = ExitStack()  # process-global patches held while models are prepared (closed in teardown)
         self._step_shift_labels: Optional[torch.Tensor] = None
 
@@ -259,7 +261,8 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         refusals.refuse_tuning_callbacks(self.lightning_module.trainer.callbacks)
         models = hf.find_pretrained_models(self.lightning_module)
         cores = [m for _, m in find_attention_cores(self.lightning_module, self.attention_modules)]
-        if not models and not cores and self.sp_size > 1:
+        litgpt = litgpt_models.find_litgpt_models(self.lightning_module)
+        if not models and not cores and not litgpt and self.sp_size > 1:
             raise ValueError(
                 f"UlyssesDeepSpeedStrategy(sp_size={self.sp_size}) found no Hugging Face PreTrainedModel and no"
                 " attention core in the LightningModule, so there is no attention to run over the whole sequence:"
@@ -269,6 +272,8 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
             )
         for model in models:
             refusals.validate_model(model, self.sp_size, self.root_device.type, self.ring_size)
+        for model in litgpt:
+            refusals.validate_litgpt_model(model, self.sp_size, self.ring_size)
         if cores and self.ring_size > 1:
             raise ValueError(
                 f"attention_modules (your own attention cores) are not supported with ring_size={self.ring_size} yet:"
@@ -297,6 +302,9 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         self._prepared_models = models
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self._saved_modes.extend(building.train_mode_for_fit(models))
+        for model in litgpt:
+            litgpt_models.prepare_litgpt(model, self._context)
+        self._litgpt_models = litgpt
         for core in cores:
             wrap_attention_core(core, self.sp_group, self._context)
         self._wrapped_cores = cores
@@ -320,6 +328,7 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
                                        form_check.longest_window(models))
         targets = [(m, form_check.whole_hf_call, form_check.sharded_hf_call) for m in models]
         targets += [(root, form_check.whole_own_call, form_check.sharded_own_call) for root in self._form_check_roots]
+        targets += [(m, form_check.whole_litgpt_call, form_check.sharded_own_call) for m in self._litgpt_models]
         form_check.check_model_form(targets, probe, context, self.root_device, self._plain_models)
         self.form_checks_run += 1
 
@@ -346,12 +355,16 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         for root in self._own_model_roots:
             calls.remove_call_completion(root)
             calls.install_call_completion(root, self._context, hf_model=False)
+        for model in self._litgpt_models:
+            litgpt_models.reinstall_hooks(model, self._context)
 
     def _check_model_hooks(self) -> None:
         """Every prepared model still has its call-completion hook (checked before each step: something that clears
         module hooks after the strategy prepared the models would otherwise let shards run as whole sequences)."""
-        for model in [*self._prepared_models, *self._own_model_roots]:
-            if not calls.has_call_completion(model):
+        for model in [*self._prepared_models, *self._own_model_roots, *self._litgpt_models]:
+            present = (litgpt_models.has_hooks(model) if litgpt_models.is_litgpt_gpt(model)
+                       else calls.has_call_completion(model))
+            if not present:
                 raise RuntimeError(
                     f"The forward pre-hook UlyssesDeepSpeedStrategy installed on {type(model).__name__} is gone: something"
                     " removed the module hooks after the strategy prepared the model (Lightning's DeepSpeed inference"
@@ -374,6 +387,9 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
             unwrap_attention_core(core)
         for root in self._own_model_roots:
             calls.remove_call_completion(root)
+        for model in self._litgpt_models:
+            litgpt_models.restore_litgpt(model)
+        self._litgpt_models = []
         for loader in self._prepared_loaders:
             restore_loader(loader)
         self._prepared_models, self._wrapped_cores, self._own_model_roots = [], [], []

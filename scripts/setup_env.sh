@@ -46,7 +46,8 @@ if [[ ! -x "$VENV_DIR/bin/python" ]]; then
 fi
 VPY="$VENV_DIR/bin/python"
 
-want="$( { cat "$ROOT/pyproject.toml"; echo "torch==$TORCH_VERSION"; "$VPY" --version 2>&1; } | sha256sum | cut -d' ' -f1)"
+want="$( { cat "$ROOT/pyproject.toml"; echo "torch==$TORCH_VERSION litgpt==0.5.13"; "$VPY" --version 2>&1; } \
+    | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     exit 0
 fi
@@ -56,6 +57,11 @@ echo "[setup_env] installing torch==$TORCH_VERSION ..." >&2
 "$VPY" -m pip install -qq "torch==$TORCH_VERSION"
 echo "[setup_env] installing lightning-ulysses[test,bench,cli] (editable) ..." >&2
 "$VPY" -m pip install -qq -e "$ROOT[test,bench,cli]"
+# LitGPT is a test dependency (tests/test_model_forms.py trains its GPT under SP). Installed without its own
+# requirements: litgpt 0.5.13 pins huggingface_hub<1.4, which transformers 5.23 outgrew; its model code needs only
+# torch and lightning, which are here.
+echo "[setup_env] installing litgpt==0.5.13 (test dependency, --no-deps) ..." >&2
+"$VPY" -m pip install -qq --no-deps "litgpt==0.5.13"
 # Fail loudly if anything replaced the pinned torch.
 "$VPY" - "$TORCH_VERSION" <<'PY'
 import sys

@@ -94,6 +94,8 @@ def test_evaluation_outside_fit_is_one_devices(two, run):
 # The model-form check: forms without a fix are stopped on every rank before the first optimizer step, and every
 # fix's removal (a mutation) is caught by it.
 OWN_RUNS = [_fit("input-pos", 2), _fit("input-pos", 3)]
+# LitGPT's GPT, found without a declaration: three families at ZeRO 2, one at ZeRO 3.
+OWN_RUNS += [_fit("litgpt-pythia", 2), _fit("litgpt-llama", 2), _fit("litgpt-gemma", 2), _fit("litgpt-llama", 3)]
 STOPPED_RUNS = {
     "learned-positions-zero2": (_fit("learned-positions", 2), "`wpe` (Embedding)"),
     "learned-positions-zero3": (_fit("learned-positions", 3), "`wpe` (Embedding)"),
@@ -103,6 +105,8 @@ STOPPED_RUNS = {
                                "`model.rotary_emb` (Phi3RotaryEmbedding)"),
     "mutation-input-pos": (dict(_fit("input-pos", 2), name="mutation-input-pos", mutation="input_pos"),
                            "`wpe` (Embedding)"),
+    "mutation-litgpt-rope": (dict(_fit("litgpt-llama", 2), name="mutation-litgpt-rope", mutation="litgpt_rope"),
+                             "GPT's output"),
     "mutation-encoder-window": (dict(_fit("modernbert", 2), name="mutation-encoder-window",
                                      mutation="encoder_window"), "`model.layers.1.attn."),
 }
@@ -110,6 +114,8 @@ BERT_OWN_LOSS = dict(_fit("bert", 2), name="bert-own-loss")
 REFUSED_CALLS = {
     "num-items": (dict(_fit("llama-yarn", 2), name="num-items", step="num_items"), "ValueError: LlamaForCausalLM was"
                   " given `num_items_in_batch`"),
+    "litgpt-chunked-ce": (dict(_fit("litgpt-pythia", 2), name="litgpt-chunked-ce", step="litgpt_chunked"),
+                          "SPLossMismatchError"),
     "classifier": (dict(_fit("llama-classifier", 2), name="classifier", step="classify"),
                    "FormCheckFailed: UlyssesDeepSpeedStrategy stopped"),
 }
@@ -142,7 +148,7 @@ def _own_reference(run: dict) -> dict:
 
 
 @pytest.mark.parametrize("run", OWN_RUNS, ids=[r["name"] for r in OWN_RUNS])
-def test_own_model_taking_input_pos_trains_as_one_device(guarded, run):
+def test_own_model_with_input_pos_and_litgpt_train_as_one_device(guarded, run):
     results = [rank["fit"][run["name"]] for rank in guarded]
     assert all("error" not in r for r in results), results[0].get("error")
     reference = _own_reference(run)
@@ -197,3 +203,97 @@ def test_calls_without_a_one_device_meaning_are_refused(guarded, name):
         result = rank["fit"][run["name"]]
         assert result.get("error", "").startswith(start), result.get("error")
         assert result["changed"] == 0.0
+
+
+# In-process sweep: every family's rotary embedding with a length-dependent type is recognised, and with the
+# whole batch's largest position it gives a shard exactly the rows the whole sequence gets (static types untouched).
+def _rope_parameters(kind: str, head_dim: int) -> dict:
+    half = head_dim // 2
+    return {
+        "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        "longrope": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                     "long_factor": [1.0 + 0.5 * i for i in range(half)], "original_max_position_embeddings": 16},
+        "yarn": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16},
+        "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        "default": {"rope_type": "default", "rope_theta": 10000.0},
+    }[kind]
+
+
+ROPE_FAMILIES = ["llama", "qwen2", "mistral", "phi3", "qwen3", "olmo2", "granite", "phimoe"]
+ROPE_KINDS = ["dynamic", "longrope", "yarn", "linear", "default"]
+
+
+def _rotary(family: str, kind: str):
+    import importlib
+
+    from transformers import AutoConfig
+
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    rotary_class = next(getattr(modeling, name) for name in dir(modeling) if name.endswith("RotaryEmbedding"))
+    extra = {"original_max_position_embeddings": 16} if family in ("phi3", "phimoe") else {}
+    params = _rope_parameters(kind, 16)
+    if family == "phimoe" and kind == "longrope":  # PhiMoE also scales by an mscale chosen from the length
+        params.update(short_mscale=1.0, long_mscale=1.3)
+    config = AutoConfig.for_model(family, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=16, rope_parameters=params, **extra)
+    return rotary_class, config
+
+
+@pytest.mark.parametrize("family", ROPE_FAMILIES)
+@pytest.mark.parametrize("kind", ROPE_KINDS)
+def test_rotary_of_every_family_sees_the_whole_batchs_largest_position(family, kind):
+    from lightning_ulysses.context import ShardInfo, StepContext
+    from lightning_ulysses.rope import is_length_dependent_rotary, unwrap_rotaries, wrap_length_dependent_rotaries
+
+    try:
+        rotary_class, config = _rotary(family, kind)
+        whole_module, sharded_module = rotary_class(config), rotary_class(config)
+    except Exception as err:  # the family's config does not accept this type
+        pytest.skip(f"{family} does not build rope type {kind!r}: {type(err).__name__}")
+    length_dependent = kind in ("dynamic", "longrope") or family == "phimoe"
+    assert is_length_dependent_rotary(sharded_module) == length_dependent
+    x = torch.zeros(1, 1, 16)
+    positions = torch.arange(32)[None]  # the whole row: past the 16 positions the short regime covers
+    expected = whole_module(x, positions)
+    context = StepContext(sp_group=None, ulysses_group=None, ring_group=None, in_step=True)
+    context.shard_info = ShardInfo(32)
+    context.shard_info.max_position = 31
+    wrapped = wrap_length_dependent_rotaries(sharded_module, context)
+    try:
+        for shard in (slice(0, 16), slice(16, 32)):  # each SP rank of sp=2, rank 0 first (fresh state)
+            got = sharded_module(x, positions[:, shard])
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e[:, shard], rtol=0, atol=1e-6)
+    finally:
+        unwrap_rotaries(wrapped)
+    assert "forward" not in sharded_module.__dict__
+
+
+# Four processes: length-dependent RoPE with ring attention (zigzag shards: rank 0 holds positions at both ends) and
+# with two data-parallel replicas at ZeRO 3 (each replica's probe from its own batch).
+FOUR_RUNS = [
+    dict(_fit("phi3-longrope", 2), name="phi3-longrope-ring2x2", sp_size=4, strategy={"ring_size": 2}),
+    dict(_fit("llama-dynamic", 3), name="llama-dynamic-dp2sp2", sp_size=2, num_rows=2 * STEPS),
+]
+
+
+@pytest.fixture(scope="module")
+def four():
+    return launch(4, "model_forms:fit", {"runs": FOUR_RUNS})
+
+
+@pytest.mark.parametrize("run", FOUR_RUNS, ids=[r["name"] for r in FOUR_RUNS])
+def test_length_dependent_rope_with_ring_and_data_parallel(four, run):
+    results = [rank[run["name"]] for rank in four]
+    assert all("error" not in r for r in results), results[0].get("error")
+    replicas = 4 // run["sp_size"]
+    dataset = TokenDataset(run["num_rows"], run["seq_len"])
+    order = lightning_order(len(dataset))
+    batches = [{k: torch.stack([dataset[i][k] for i in order[step * replicas:(step + 1) * replicas]])
+                for k in ("input_ids", "labels")} for step in range(STEPS)]
+    initial = {k: v.detach().clone() for k, v in build_form(run["form"]).named_parameters()}
+    reference = sgd_steps(build_form(run["form"]), batches, LR)
+    losses = torch.tensor([r["losses"] for r in results[::run["sp_size"]]], dtype=torch.float64).mean(0)
+    assert rel_diff(losses, reference["losses"]) <= 1e-5, (losses, reference["losses"])
+    assert update_rel_diff(results[0]["weights"], reference["weights"], initial) <= 1e-4
+    assert all(r["form_checks"] == 1 for r in results)

@@ -75,6 +75,10 @@ def _mutate(name: str, undo: list) -> None:
             return original(inner, Causal(module), q, k, v, window, kwargs)
 
         patch(hf_attention, "_sdpa_causal", causal_windows)
+    elif name == "litgpt_rope":  # LitGPT's RoPE rows back to its own cos[:T] of the local length
+        import lightning_ulysses.litgpt_models as litgpt_models
+
+        patch(litgpt_models, "_rows_of_global_positions", lambda *args, **kwargs: None)
     elif name == "eval_hooks":  # Lightning's inference set-up removes the call completion and nothing notices
         patch(Strategy, "_reinstall_model_hooks", lambda self: None)
         patch(Strategy, "_check_model_hooks", lambda self: None)

@@ -90,4 +90,7 @@ def layout_groups(payload: dict) -> dict:
             "dp": dist.get_process_group_ranks(layout.mesh.get_group("dp")),
             "ranks": (layout.dp_rank, layout.sp_rank, layout.dp_size),
         }
+    # Nobody leaves while a peer is still connecting to the new groups (a rank that exits first resets the
+    # connections of the others: seen as "Broken pipe" in group creation on a loaded machine).
+    dist.barrier()
     return out

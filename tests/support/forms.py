@@ -164,9 +164,35 @@ ENCODER_FORMS = ("modernbert", "bert")
 OWN_FORMS = {"learned-positions": LearnedPositionGPT, "input-pos": InputPosGPT}
 
 
+def _litgpt(name: str, **overrides) -> Any:
+    """LitGPT's ``GPT`` from one of its named configs, shrunk (nothing downloaded)."""
+    def build(seed: int) -> nn.Module:
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        config = Config.from_name(name, n_layer=2, n_embd=64, n_head=4, head_size=16, block_size=64,
+                                  vocab_size=VOCAB, padded_vocab_size=VOCAB, **overrides)
+        torch.manual_seed(seed)
+        model = GPT(config)
+        model.apply(model._init_weights)
+        return model
+
+    return build
+
+
+# Three families: GPT-NeoX (parallel residual, partial rotary), Llama (GQA), Gemma (MQA, scaled embeddings).
+LITGPT_FORMS = {
+    "litgpt-pythia": _litgpt("pythia-14m"),
+    "litgpt-llama": _litgpt("tiny-llama-1.1b", n_query_groups=2, intermediate_size=96),
+    "litgpt-gemma": _litgpt("gemma-2b", n_query_groups=1, intermediate_size=96),
+}
+
+
 def build_form(name: str, seed: int = 0) -> nn.Module:
     if name in HF_FORMS:
         return HF_FORMS[name](seed)
+    if name in LITGPT_FORMS:
+        return LITGPT_FORMS[name](seed)
     torch.manual_seed(seed)
     return OWN_FORMS[name]()
 
@@ -188,6 +214,11 @@ class FormModule(LightningModule):
             return self.model(**batch).loss
         if self.step == "num_items":  # a user's own normaliser, computed in the step (on the shard under SP)
             return self.model(**batch, num_items_in_batch=(batch["labels"] != -100).sum()).loss
+        if self.step == "litgpt_chunked":  # LitGPT's pretraining recipe: its own shift and chunked loss
+            from litgpt.utils import chunked_cross_entropy
+
+            logits = self.model(batch["input_ids"])
+            return chunked_cross_entropy(logits[..., :-1, :], batch["input_ids"][..., 1:])
         if self.step == "classify":
             logits = self.model(input_ids=batch["input_ids"]).logits  # [B, num_labels]
             return F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long, device=logits.device))
