@@ -10,7 +10,8 @@ statistic. Nothing fails; the training is silently another one.
 So before the first step (training, validation, test or predict) of every Trainer stage, every rank runs a probe:
 
 * a short row of ``L = U·k`` tokens (``U``: the SP layout's unit, ``sp`` or ``2·sp`` with ring; ``k``: 4 tokens, or
-  enough to cover the longest attention window the model's config names), taken from the real batch, with
+  enough for the probe to outgrow the longest attention window the model's config names, at most 512 tokens in
+  all), taken from the real batch, with
   positions placed where the real batch's are: block ``u`` of the probe holds the last ``k`` positions of block ``u``
   of the real (padded) row, so each rank's probe shard ends at the position its real shard ends at and the probe's
   largest position is the real row's (length-dependent RoPE, learned positions and position caches see what they
@@ -41,6 +42,7 @@ from lightning_ulysses.context import ShardInfo, StepContext
 from lightning_ulysses.geometry import SequenceGeometry
 
 PROBE_TOKENS_PER_BLOCK = 4
+MAX_PROBE_TOKENS = 512
 _probe_depth = 0
 
 
@@ -82,7 +84,10 @@ def build_probe(real: ShardInfo, local_ids: torch.Tensor, geometry: SequenceGeom
     ``[B, s]`` (one all-gather over the SP group)."""
     unit = geometry.padded_length(1)  # blocks of the padded row each owned by one SP rank
     block = real.padded_len // unit  # m: tokens per block of the real row
-    k = min(block, max(PROBE_TOKENS_PER_BLOCK, math.ceil(2 * window / unit) if window else 0))
+    # k tokens per block: 4, or enough for the probe to be longer than the longest window (so banded window kernels
+    # run), at most MAX_PROBE_TOKENS in all
+    covering = math.ceil((window + 1) / unit) if window else 0
+    k = min(block, max(PROBE_TOKENS_PER_BLOCK, min(covering, MAX_PROBE_TOKENS // unit)))
     length = unit * k  # L
     # [L]: probe block u holds the last k positions of real block u
     blocks = torch.arange(unit).repeat_interleave(k)
@@ -264,7 +269,7 @@ def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.
                plain: Callable[[], contextlib.AbstractContextManager]) -> list[str]:
     findings: list[str] = []
     n, length = len(probe.index), probe.ids.shape[1]
-    local_ids = probe.ids[:, probe.index]  # [1, n]
+    local_ids = probe.ids[:, probe.index]  # [1, n]: this rank's probe shard
     saved = (context.shard_info, context.tile_shard_len, context.in_step, context.step_batch_tensors,
              context.router_token_mask)
     with quiet_and_repeatable([t[0] for t in targets], device) as snapshot:
@@ -274,6 +279,16 @@ def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.
             try:
                 with plain():
                     whole = first_tensor(whole_call(model, probe.ids, probe.positions))
+            except Exception as err:
+                raise RuntimeError(
+                    f"UlyssesDeepSpeedStrategy's model-form check could not run {name} on its probe (the batch's"
+                    f" token ids, [1, {length}]) as one device would: {type(err).__name__}: {err}. The check calls the"
+                    " model that contains the attention as `model(input_ids)` (Hugging Face models with"
+                    " `position_ids`/`attention_mask`, own models with `position_ids` or `input_pos` when their"
+                    " forward takes them). If your model cannot be called that way, switch the check off with"
+                    " `UlyssesDeepSpeedStrategy(check_model_form=False)` and compare a few steps against one device"
+                    " yourself."
+                ) from err
             finally:
                 whole_outputs.close()
                 snapshot.restore()  # the sharded run starts from the same state (dynamic NTK remembers lengths)
