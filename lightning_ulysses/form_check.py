@@ -20,7 +20,8 @@ So before the first step (training, validation, test or predict) of every Traine
   runs (the rank's probe shard, the exchange around attention and mixers, call completion);
 * this rank's positions of the whole run's output compared with the sharded output (fp32: relative ``1e-4``; bf16
   and fp16: ``5e-2``), and the verdict agreed over all ranks, so that every rank stops, before any weight changes,
-  with a message naming the first module whose output differs.
+  with a message naming the first module whose output differs (found by running both passes again with every
+  submodule's output recorded, only when a difference was found).
 
 Both runs are forward passes without gradients in eval mode (no dropout) with the random state restored. Cost: two
 forward passes of ``L`` tokens (``L`` = 8 at sp=2), once per stage (measured in ``benchmarks/integrity_cost.py``).
@@ -259,14 +260,33 @@ def check_model_form(targets: list[tuple[nn.Module, Callable[..., Any], Callable
     global _probe_depth
     _probe_depth += 1
     try:
-        findings = _run_probe(targets, probe, context, device, plain)
+        findings = _run_probe(targets, probe, context, device, plain, locate=False)
+        if _found_on_any_rank(bool(findings), device):  # run again, recording every module, to name the first
+            findings = _run_probe(targets, probe, context, device, plain, locate=True)
+            _agree_and_raise(findings, probe.ids.shape[1])
     finally:
         _probe_depth -= 1
-    _agree_and_raise(findings, probe.ids.shape[1])
+
+
+def _found_on_any_rank(found: bool, device: torch.device) -> bool:
+    """One all-reduce of one integer over all ranks."""
+    flag = torch.tensor([int(found)], dtype=torch.int32, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # [1]: a difference on any rank
+    return bool(flag.item())
+
+
+class _NoRecording:
+    records: list = []
+
+    def close(self) -> None:
+        pass
 
 
 def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.device,
-               plain: Callable[[], contextlib.AbstractContextManager]) -> list[str]:
+               plain: Callable[[], contextlib.AbstractContextManager], locate: bool) -> list[str]:
+    """The probe's two runs per target; with ``locate``, every submodule's output is recorded, to name the first
+    module whose output differs."""
     findings: list[str] = []
     n, length = len(probe.index), probe.ids.shape[1]
     local_ids = probe.ids[:, probe.index]  # [1, n]: this rank's probe shard
@@ -275,7 +295,7 @@ def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.
     with quiet_and_repeatable([t[0] for t in targets], device) as snapshot:
         for model, whole_call, sharded_call in targets:
             name = type(model).__name__
-            whole_outputs = ModuleOutputs(model)
+            whole_outputs = ModuleOutputs(model) if locate else _NoRecording()
             try:
                 with plain():
                     whole = first_tensor(whole_call(model, probe.ids, probe.positions))
@@ -292,7 +312,7 @@ def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.
             finally:
                 whole_outputs.close()
                 snapshot.restore()  # the sharded run starts from the same state (dynamic NTK remembers lengths)
-            sharded_outputs = ModuleOutputs(model)
+            sharded_outputs = ModuleOutputs(model) if locate else _NoRecording()
             context.shard_info, context.tile_shard_len, context.in_step = probe.shard, None, True
             context.step_batch_tensors = {}
             try:
@@ -311,7 +331,7 @@ def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.
                 continue
             difference = relative_difference(whole.index_select(dim, probe.index), sharded)
             if difference > tolerance(sharded.dtype):
-                module = first_differing_module(whole_outputs, sharded_outputs, probe.index, length)
+                module = first_differing_module(whole_outputs, sharded_outputs, probe.index, length) if locate else None
                 findings.append(f"{name}'s output on this rank's probe positions"
                                 f" {probe.shard.position_ids[0].tolist()} differs from the same positions of the whole"
                                 f" probe by {difference:.2e} (relative); first module whose output differs: "
