@@ -297,3 +297,35 @@ def test_length_dependent_rope_with_ring_and_data_parallel(four, run):
     assert rel_diff(losses, reference["losses"]) <= 1e-5, (losses, reference["losses"])
     assert update_rel_diff(results[0]["weights"], reference["weights"], initial) <= 1e-4
     assert all(r["form_checks"] == 1 for r in results)
+
+
+def test_rope_per_layer_type_is_recognised_and_whole_for_its_length_dependent_layers():
+    """Gemma 3 style: one rotary module, a rope type per layer type (dynamic for full attention, default for
+    sliding); the full-attention rows are the whole row's, the sliding ones untouched."""
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from lightning_ulysses.context import ShardInfo, StepContext
+    from lightning_ulysses.rope import is_length_dependent_rotary, unwrap_rotaries, wrap_length_dependent_rotaries
+
+    config = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              max_position_embeddings=16, num_hidden_layers=2,
+                              layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters={"full_attention": _rope_parameters("dynamic", 16),
+                                               "sliding_attention": _rope_parameters("default", 16)})
+    whole_module, sharded_module = Gemma3RotaryEmbedding(config), Gemma3RotaryEmbedding(config)
+    assert is_length_dependent_rotary(sharded_module)
+    context = StepContext(sp_group=None, ulysses_group=None, ring_group=None, in_step=True)
+    context.shard_info = ShardInfo(32)
+    context.shard_info.max_position = 31
+    x, positions = torch.zeros(1, 1, 16), torch.arange(32)[None]
+    wrapped = wrap_length_dependent_rotaries(sharded_module, context)
+    try:
+        for layer_type in ("full_attention", "sliding_attention"):
+            expected = whole_module(x, positions, layer_type)
+            for shard in (slice(0, 16), slice(16, 32)):
+                got = sharded_module(x, positions[:, shard], layer_type)
+                for g, e in zip(got, expected):
+                    torch.testing.assert_close(g, e[:, shard], rtol=0, atol=1e-6)
+    finally:
+        unwrap_rotaries(wrapped)
