@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import time
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, seed_everything
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
 from tests.support.forms import ENCODER_FORMS, OWN_FORMS, FormModule, MaskedTokenDataset, SDPACore
 from tests.support.models import SEED, PackedDataset, TokenDataset
-from tests.support.training import LAUNCH_WORLD_SIZE, make_trainer, run_cases
+from tests.support.training import make_trainer, run_cases
 
 
 def dataset_for(run: dict):
