@@ -44,13 +44,20 @@ def ulysses_attention(
         ``[B, Hq, s, D]``: the attention output for this rank's positions, all heads.
     """
     q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
+    out = local_attention(q, k, v, attention_fn, attention_kwargs)  # [B, hq, S, D]
+    out = head_to_sequence_shards(out.transpose(1, 2), group, query.shape[1])  # [B, s, Hq, D]
+    return out.transpose(1, 2)  # [B, Hq, s, D]
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_fn: Optional[AttentionFn],
+                    attention_kwargs: dict) -> torch.Tensor:
+    """``attention_fn(q, k, v, **attention_kwargs)`` on one rank's tensors, PyTorch SDPA by default (with
+    ``enable_gqa`` when ``k`` has fewer heads than ``q``)."""
     if attention_fn is None:
         attention_fn = F.scaled_dot_product_attention
         if k.shape[1] != q.shape[1]:
-            attention_kwargs.setdefault("enable_gqa", True)
-    out = attention_fn(q, k, v, **attention_kwargs)  # [B, hq, S, D]
-    out = head_to_sequence_shards(out.transpose(1, 2), group, query.shape[1])  # [B, s, Hq, D]
-    return out.transpose(1, 2)  # [B, Hq, s, D]
+            attention_kwargs = {"enable_gqa": True, **attention_kwargs}
+    return attention_fn(q, k, v, **attention_kwargs)
 
 
 class UlyssesAttention(nn.Module):
@@ -73,10 +80,7 @@ class UlyssesAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         context = self.__dict__.get("_ulysses_context")
         if context is not None and context.plain:  # the model-form check's whole run: plain attention
-            options = {**self.attention_kwargs, **kwargs}
-            if self.attention_fn is None and key.shape[1] != query.shape[1]:
-                options.setdefault("enable_gqa", True)
-            return (self.attention_fn or F.scaled_dot_product_attention)(query, key, value, **options)
+            return local_attention(query, key, value, self.attention_fn, {**self.attention_kwargs, **kwargs})
         if self.group is None:
             raise RuntimeError("UlyssesAttention has no SP group: train with UlyssesDeepSpeedStrategy or set .group.")
         return ulysses_attention(query, key, value, self.group, self.attention_fn, **{**self.attention_kwargs,

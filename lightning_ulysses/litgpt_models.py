@@ -60,10 +60,14 @@ def prepare_litgpt(model: nn.Module, context: StepContext) -> None:
     blocks = _attention_blocks(model)
     for block in blocks:
         block.__dict__["scaled_dot_product_attention"] = functools.partial(_ulysses_sdpa, block, context)
-    handles = [model.register_forward_pre_hook(functools.partial(_rows_of_global_positions, context=context),
-                                              with_kwargs=True),
-               model.register_forward_hook(_restore_rope_cache, always_call=True)]
-    model.__dict__[_SAVED] = (blocks, handles)
+    model.__dict__[_SAVED] = (blocks, _register_rope_hooks(model, context))
+
+
+def _register_rope_hooks(model: nn.Module, context: StepContext) -> list:
+    """The pre-hook that puts the global positions' RoPE rows first and the hook that puts the cache back."""
+    return [model.register_forward_pre_hook(functools.partial(_rows_of_global_positions, context=context),
+                                            with_kwargs=True),
+            model.register_forward_hook(_restore_rope_cache, always_call=True)]
 
 
 def restore_litgpt(model: nn.Module) -> None:
@@ -85,9 +89,7 @@ def reinstall_hooks(model: nn.Module, context: StepContext) -> None:
     blocks, handles = saved
     for handle in handles:
         handle.remove()
-    handles[:] = [model.register_forward_pre_hook(functools.partial(_rows_of_global_positions, context=context),
-                                              with_kwargs=True),
-                  model.register_forward_hook(_restore_rope_cache, always_call=True)]
+    handles[:] = _register_rope_hooks(model, context)
 
 
 def has_hooks(model: nn.Module) -> bool:

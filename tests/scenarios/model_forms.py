@@ -5,6 +5,7 @@ whose output depends on the shard."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, seed_everything
@@ -83,17 +84,24 @@ def _mutate(name: str, undo: list) -> None:
         patch(Strategy, "_check_model_hooks", lambda self: None)
 
 
+@contextmanager
+def _mutated(run: dict):
+    """The run's mutation (if any) applied inside the block, undone after."""
+    undo: list = []
+    _mutate(run.get("mutation", ""), undo)
+    try:
+        yield
+    finally:
+        for owner, attribute, value in reversed(undo):
+            setattr(owner, attribute, value)
+
+
 def fit(payload: dict) -> dict:
     """SGD fits of forms; per run the losses, the final weights (rank 0), or the error a refused run raised."""
 
     def one(run: dict) -> dict:
-        undo: list = []
-        _mutate(run.get("mutation", ""), undo)
-        try:
+        with _mutated(run):
             return _fit_one(run)
-        finally:
-            for owner, attribute, value in reversed(undo):
-                setattr(owner, attribute, value)
 
     return run_cases(payload["runs"], one)
 
@@ -136,15 +144,13 @@ def evaluate(payload: dict) -> dict:
     """``trainer.predict``, ``trainer.validate``, ``trainer.test`` on a fresh Trainer each (no fit before)."""
 
     def one(run: dict) -> dict:
-        undo: list = []
-        _mutate(run.get("mutation", ""), undo)
         try:
-            return _evaluate_one(run)
-        finally:
-            for owner, attribute, value in reversed(undo):
-                setattr(owner, attribute, value)
+            with _mutated(run):
+                return _evaluate_one(run)
+        except Exception as err:
+            return {"error": f"{type(err).__name__}: {err}"}
 
-    return run_cases(payload["runs"], evaluate_one_guarded(one))
+    return run_cases(payload["runs"], one)
 
 
 def _evaluate_one(run: dict) -> dict:
@@ -158,16 +164,6 @@ def _evaluate_one(run: dict) -> dict:
         metrics = getattr(trainer, kind)(module, verbose=False)
         out[kind] = {k: float(v) for k, v in metrics[0].items()}
     return out
-
-
-def evaluate_one_guarded(one):
-    def run(case: dict) -> dict:
-        try:
-            return one(case)
-        except Exception as err:
-            return {"error": f"{type(err).__name__}: {err}"}
-
-    return run
 
 
 def tuner(payload: dict) -> dict:
