@@ -65,25 +65,41 @@ if [[ "${GPU_CHECK_SKIP_SWEEP:-0}" != "1" ]]; then
     sps=$("$PY" -c "n=$gpus; print(' '.join(str(s) for s in (1, 2, 4, 8) if s <= n))")
     lengths="${GPU_CHECK_LENGTHS:-16384 32768}"
     # shellcheck disable=SC2086
-    if "$PY" benchmarks/sweep.py --lengths $lengths --sp $sps --hidden 2048 --layers 8 --heads 16 --vocab 32000 \
+    model_flags=(--hidden 2048 --layers 8 --heads 16 --vocab 32000)  # the swept model (MFU counts its parameters)
+    if "$PY" benchmarks/sweep.py --lengths $lengths --sp $sps "${model_flags[@]}" \
             --configs plain alst --steps 5 --max-length 0 > "$OUT/sweep.log" 2>&1; then
         cp benchmarks/out/sweep.csv "$OUT/sweep.csv"
         {
             echo
             echo "## benchmarks/sweep.py (hidden 2048, 8 layers, 16 heads, bf16 on CUDA)"
             echo
-            "$PY" - "$OUT/sweep.csv" <<'EOF'
-import csv, sys
+            "$PY" - "$OUT/sweep.csv" "${model_flags[@]}" <<'EOF'
+import argparse, csv, sys
 import torch
+sys.path.insert(0, "benchmarks")
+from sweep import _model  # the sweep's own model builder: the FLOPs follow the model it trained
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s per GPU
 name = torch.cuda.get_device_name(0)
 peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-params = 8 * 12 * 2048 ** 2 + 2 * 32000 * 2048  # ≈ parameters of the swept model
+flags = argparse.ArgumentParser()
+for flag in ("--hidden", "--layers", "--heads", "--vocab"):
+    flags.add_argument(flag, type=int)
+shape = flags.parse_args(sys.argv[2:])
+with torch.device("meta"):  # shapes only, no memory
+    model = _model(argparse.Namespace(arch="llama", seq_len=2048, **vars(shape)))
+# 6·N FLOPs per token (forward 2·N, backward 4·N) for the N parameters that multiply activations: every nn.Linear
+# (q/k/v/o, the SwiGLU MLP's gate/up/down, the LM head), not the embedding lookup or the norms' scales.
+matmul_params = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+config = model.config
+layers, attention_width = config.num_hidden_layers, config.num_attention_heads * model.model.layers[0].self_attn.head_dim
+print(f"Model: {matmul_params / 1e6:.0f} M matmul parameters ({layers} layers, attention width {attention_width});"
+      " training FLOPs per token = 6 · that + 12 · layers · width · S (attention scores and values, S x S per layer)")
+print()
 print("| config | sp | seq_len | peak MiB/rank | tokens/s | MFU |")
 print("|---|---|---|---|---|---|")
 for r in csv.DictReader(open(sys.argv[1])):
     tokens, S = float(r["tokens_per_s"]), int(r["seq_len"])
-    flops = tokens * (6 * params + 12 * 8 * 2048 * S)  # training FLOPs per token: weights + attention
+    flops = tokens * (6 * matmul_params + 12 * layers * attention_width * S)  # training FLOPs: weights + attention
     mfu = f"{flops / (peak * int(r['sp'])):.1%}" if peak else "n/a"
     print(f"| {r['config']} | {r['sp']} | {S} | {float(r['peak_mib_per_rank']):.0f} | {tokens:.0f} | {mfu} |")
 EOF
