@@ -20,7 +20,6 @@ import argparse
 import math
 import os
 import sysconfig
-import time
 import warnings
 from pathlib import Path
 
@@ -33,13 +32,15 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_ulysses import StepProgressBar, UlyssesDeepSpeedStrategy
+from lightning_ulysses import SequenceParallelThroughputMonitor, StepProgressBar, UlyssesDeepSpeedStrategy
 
 PAD, BOS = 256, 257  # byte-level vocabulary: 0..255 are the bytes themselves
 VOCAB_SIZE = 258
 OUT_DIR = Path(__file__).resolve().parent / "out"
+THROUGHPUT_WINDOW = 10  # steps over which the throughput monitor measures tokens/s
 
-for _noise in (".*does not have many workers.*", ".*LeafSpec.*", ".*all_gather_into_tensor.*"):
+for _noise in (".*does not have many workers.*", ".*LeafSpec.*", ".*all_gather_into_tensor.*",
+               ".*flops_per_batch.*"):  # the throughput monitor counts tokens, not FLOPs
     warnings.filterwarnings("ignore", _noise)
 
 
@@ -129,33 +130,28 @@ class CausalLM(LightningModule):
         return DataLoader(self.dataset, batch_size=self.args.batch_size, shuffle=True, drop_last=True)
 
 
-class TokensPerSecond(Callback):
-    """Global training throughput: tokens of the full sequences, counted once per sample (not once per SP rank)."""
+class TrainingSummary(Callback):
+    """Prints one line at the end of training: the loss at the start and the end, and the global throughput that
+    :class:`~lightning_ulysses.SequenceParallelThroughputMonitor` measured (tokens of the full sequences per second,
+    each sample counted once, not once per SP rank)."""
 
     def __init__(self, seq_len: int) -> None:
         self.seq_len = seq_len
-        self.last_time = None
-        self.rates, self.losses = [], []
+        self.losses = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        now = time.perf_counter()
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
-        if self.last_time is not None:  # the first step (set-up, warm-up) has no start time
-            micro_batch = batch["input_ids"].shape[0]
-            dp_size = getattr(trainer.strategy, "dp_size", trainer.world_size)
-            rate = micro_batch * self.seq_len * dp_size / (now - self.last_time)
-            self.rates.append(rate)
-            pl_module.log("tok/s", rate, prog_bar=True, on_step=True, on_epoch=False)
-        self.last_time = now
 
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero and self.losses:
-            mean_rate = sum(self.rates) / max(1, len(self.rates))
+            metrics = trainer.logged_metrics  # the monitor's last window; "train/items_per_sec" exists when dp > 1
+            rate = metrics.get("train/items_per_sec", metrics.get("train/device/items_per_sec"))
             tail = self.losses[-10:]
             print(
                 f"[train_long_context] steps={len(self.losses)} first_loss={self.losses[0]:.3f}"
-                f" last_loss={self.losses[-1]:.3f} mean_last_10={sum(tail) / len(tail):.3f} mean_tok/s={mean_rate:.0f}"
+                f" last_loss={self.losses[-1]:.3f} mean_last_10={sum(tail) / len(tail):.3f}"
+                f" tok/s={'n/a' if rate is None else f'{float(rate):.0f}'}"
                 f" (seq_len={self.seq_len}, sp_size={trainer.strategy.sp_size}, world_size={trainer.world_size})",
                 flush=True,
             )
@@ -213,7 +209,11 @@ def main() -> None:
         log_every_n_steps=5,
         enable_checkpointing=False,
         enable_model_summary=False,
-        callbacks=[TokensPerSecond(args.seq_len), StepProgressBar()],  # the bar shows steps out of max_steps
+        callbacks=[
+            SequenceParallelThroughputMonitor(window_size=THROUGHPUT_WINDOW),  # tokens/s, logged to the CSV metrics
+            TrainingSummary(args.seq_len),
+            StepProgressBar(),  # the bar shows steps out of max_steps
+        ],
     )
     trainer.fit(module)
 

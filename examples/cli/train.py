@@ -43,7 +43,8 @@ from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_ulysses  # noqa: E402,F401  (registers the strategy names; makes the class resolvable by name)
-from train_long_context import BOS, PAD, VOCAB_SIZE, StdlibCodeDataset, TokensPerSecond  # noqa: E402
+from lightning_ulysses import SequenceParallelThroughputMonitor  # noqa: E402
+from train_long_context import BOS, PAD, THROUGHPUT_WINDOW, VOCAB_SIZE, StdlibCodeDataset  # noqa: E402
 
 
 class LongContextLM(LightningModule):
@@ -112,7 +113,8 @@ class LongContextLM(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_callbacks(self):
-        return [TokensPerSecond(self.hparams.seq_len)]  # global tok/s, each sample's tokens counted once
+        # global tokens/s (each sample's tokens counted once), logged with the other metrics
+        return [SequenceParallelThroughputMonitor(window_size=THROUGHPUT_WINDOW)]
 
 
 class StdlibCodeData(LightningDataModule):
