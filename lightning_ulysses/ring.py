@@ -41,14 +41,6 @@ def _start_pass(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[
     return dist.batch_isend_irecv(ops), received
 
 
-def _pass_around(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Send ``tensors`` to the next ring rank and receive the previous rank's (point-to-point, both at once)."""
-    requests, received = _start_pass(tensors, group)
-    for request in requests:
-        request.wait()
-    return received
-
-
 def causal_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
     """``[Lq, Lk]`` causal (and sliding-window) mask on global positions, True = attend."""
     mask = k_pos[None, :] <= q_pos[:, None]
