@@ -16,7 +16,7 @@ ZeRO shard into. On top of it the strategy keeps two promises:
   loader skips exactly those batches of the restored epoch at the index level (no sample is loaded to be thrown
   away). Without it Lightning restarts a mid-epoch checkpoint's epoch at its first batch and ends it early.
 
-The strategy's save/load hooks are :mod:`lightning_ulysses.checkpoint_hooks`; export to portable files is
+The strategy's save/load is :mod:`lightning_ulysses.checkpoint_io`; export to portable files is
 :mod:`lightning_ulysses.export`; loading on another layout is :mod:`lightning_ulysses.resharding`.
 """
 
@@ -37,7 +37,9 @@ PathLike = Union[str, "os.PathLike[str]"]
 MARKER = "ulysses_checkpoint.json"
 CLIENT_STATE_KEY = "ulysses"  # the strategy's record inside Lightning's checkpoint dict (layout, HF models)
 FORMAT_VERSION = 2  # 2: files map to {"size", "sha256"}; 1: files map to sizes
-_TAG = "checkpoint"  # the DeepSpeed tag Lightning's DeepSpeedStrategy always uses
+# The tag (sub-directory of a checkpoint directory) that Lightning's DeepSpeedStrategy always saves DeepSpeed's files
+# under: ``<checkpoint>/checkpoint/mp_rank_00_model_states.pt``, ... Readers that find no ``latest`` file use it.
+DEEPSPEED_TAG = "checkpoint"
 
 
 # ----------------------------------------------------------------------------------------------- completeness

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from lightning_ulysses import hf, integrity
-from lightning_ulysses.checkpoint import _TAG, CLIENT_STATE_KEY, PathLike, checkpoint_status, digest_mismatch_error, \
-    read_marker, verify_digests
+from lightning_ulysses.checkpoint import (CLIENT_STATE_KEY, DEEPSPEED_TAG, PathLike, checkpoint_status,
+                                         digest_mismatch_error, read_marker, verify_digests)
 
 def consolidated_state_dict(checkpoint: PathLike, tag: Optional[str] = None) -> tuple[dict[str, torch.Tensor],
                                                                                       dict[str, Any]]:
@@ -26,7 +26,7 @@ def consolidated_state_dict(checkpoint: PathLike, tag: Optional[str] = None) -> 
     checkpoint = Path(checkpoint)
     if tag is None:
         latest = checkpoint / "latest"
-        tag = latest.read_text().strip() if latest.is_file() else _TAG
+        tag = latest.read_text().strip() if latest.is_file() else DEEPSPEED_TAG
     ds_dir = checkpoint / tag
     if not ds_dir.is_dir():
         raise FileNotFoundError(f"{checkpoint} is not a DeepSpeed checkpoint directory (no {tag}/ inside)")

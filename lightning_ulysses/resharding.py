@@ -34,7 +34,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-_TAG = "checkpoint"  # the DeepSpeed tag Lightning's DeepSpeedStrategy always uses
+from lightning_ulysses.checkpoint import DEEPSPEED_TAG
 
 
 def load_on_another_layout(engine: Any, checkpoint: Path, marker: dict[str, Any], load_optimizer: bool,
@@ -72,7 +72,7 @@ def _consolidated_weights(saved: "_Saved", checkpoint: Path) -> dict[str, torch.
     if partitioned and states.get("frozen_param_shapes"):  # partitioned frozen weights: DeepSpeed's way
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=_TAG)
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DEEPSPEED_TAG)
     weights = {k: v for k, v in states["module"].items() if not partitioned or k in states.get("buffer_names", [])}
     for group in states["param_shapes"]:
         for param, shape in group.items():
@@ -161,7 +161,7 @@ def _model_states_of_the_saved_layout(engine: Any, saved_ranks: int, saved_stage
 def optimizer_shard_files(checkpoint: Path, saved_ranks: int) -> list[Path]:
     """The saved ZeRO optimizer shards of a checkpoint directory, by rank of the saving ZeRO group (``bf16_`` first:
     DeepSpeed's name when training in bf16)."""
-    folder = Path(checkpoint) / _TAG
+    folder = Path(checkpoint) / DEEPSPEED_TAG
     files = []
     for r in range(saved_ranks):
         names = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for prefix in ("bf16_", "")]
@@ -225,7 +225,7 @@ class _SavedZero12(_Saved):
             raise ValueError(f"{checkpoint} is an elastic ZeRO checkpoint; only the default (rigid) layout is resharded.")
         if any(any(p) for s in shards for p in s.get("param_alignment_paddings", []) or []):
             raise ValueError(f"{checkpoint} was saved with zero_optimization.parameter_alignment: not resharded.")
-        self.model_states = _open(Path(checkpoint) / _TAG / "mp_rank_00_model_states.pt")
+        self.model_states = _open(Path(checkpoint) / DEEPSPEED_TAG / "mp_rank_00_model_states.pt")
         param_shapes = self.model_states["param_shapes"]
         first = shards[0]
         self.param_groups = first["base_optimizer_state"]["param_groups"]
@@ -256,7 +256,7 @@ class _SavedZero12(_Saved):
 class _SavedZero3(_Saved):
     def __init__(self, checkpoint: Path, saved_ranks: int) -> None:
         shards = [_open(f)["optimizer_state_dict"] for f in optimizer_shard_files(checkpoint, saved_ranks)]
-        self.model_states = _open(Path(checkpoint) / _TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        self.model_states = _open(Path(checkpoint) / DEEPSPEED_TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt")
         param_shapes = self.model_states["param_shapes"]
         first = shards[0]
         self.param_groups = first["optimizer_state_dict"]["param_groups"]
