@@ -45,11 +45,15 @@ class SPLossMismatchError(RuntimeError):
     """The loss a training step back-propagates is not the same function on every rank of an SP group."""
 
 
-_NAN = -1.2345e300  # stands for NaN in the loss comparison (NaN on every rank is the same loss, not a mismatch)
+# Stands for NaN in the loss comparison, so that NaN on every rank reads as the same loss, not a mismatch. The check
+# is one all-reduce MAX of ``[v, -v]`` that compares the group's max with its min, and NaN cannot take part: NaN != NaN,
+# and how MAX treats NaN depends on the backend. So NaN becomes this finite float64 before the reduction: its negation
+# is exact, no loss or gradient sum of a training step comes near it, and messages show it as "nan".
+NAN_SENTINEL = -1.2345e300
 
 
 def _comparable(value: float) -> float:
-    return _NAN if value != value else value
+    return NAN_SENTINEL if value != value else value
 
 
 _STEP_REPLACEMENT = (
@@ -94,7 +98,7 @@ def gradient_mismatch_message(ranks: list[int], where: str, low: list[float], hi
 
 
 def _show(value: float) -> str:
-    return "nan" if value == _NAN else f"{value:.9g}"
+    return "nan" if value == NAN_SENTINEL else f"{value:.9g}"
 
 
 class SPAgreement:
@@ -129,7 +133,7 @@ class SPAgreement:
         loss = float(value.detach().double().sum()) if value.numel() == 1 else float("nan")
         values = torch.tensor([_comparable(loss), float(len(gradients)), sum(gradients),
                                sum((i + 1) * g for i, g in enumerate(gradients))], dtype=torch.float64)
-        values = torch.nan_to_num(values, nan=_NAN)
+        values = torch.nan_to_num(values, nan=NAN_SENTINEL)
         both = torch.cat([values, -values]).to(self.device)  # [8]: MAX over the group gives max and -min of each
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         high, low = both[:4].tolist(), [-v for v in both[4:].tolist()]
