@@ -3,10 +3,12 @@
 (``sdpa``, ``flash_attention_2/3``, ``flex_attention``) over the whole sequence (causal, sliding windows on global
 positions, packed documents kept apart, ring attention across ring groups), and exchange back.
 
-The functions are *added* under their own names and a prepared model's config points at them
-(:mod:`lightning_ulysses.hf`). One process-global replacement exists: for models whose attention calls
-``torch.nn.functional.scaled_dot_product_attention`` itself (falcon), :mod:`lightning_ulysses.hf` swaps that function
-for the duration of such a module's forward only, and puts it back after.
+This module replaces nothing: :func:`register_attention_functions` *adds* the functions to transformers' registry
+under their own names (``ulysses_sdpa``, ...), next to the stock ones, and :mod:`lightning_ulysses.hf` points a
+prepared model's ``config._attn_implementation`` at them (and back on restore); a model the strategy has not
+prepared never reaches them. Each call finds the step's context (SP group, shard layout) on the attention module
+itself. Attention modules that call torch's SDPA directly instead of going through the registry are handled in
+:mod:`lightning_ulysses.hf`, not here. The only state kept here is a small cache of flex-attention block masks.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ def keeps_documents_apart(impl: str, sdpa_per_document: bool) -> bool:
     return impl != "sdpa" or sdpa_per_document
 
 _block_masks: dict[Any, Any] = {}
+# Flex block masks are cached by (length, device, documents, window): building one evaluates the mask over every
+# block, so every layer of a step reuses it (window and full-attention layers alternate: two keys per batch shape).
+# When the cache holds more than this many it is emptied: lengths and packed documents' boundaries change from batch
+# to batch, so old masks would only pile up.
+_BLOCK_MASK_CACHE_SIZE = 4
 
 
 def _flex_block_mask(seq_len: int, device: torch.device, cu_seqlens: Optional[torch.Tensor],
@@ -64,8 +71,8 @@ def _flex_block_mask(seq_len: int, device: torch.device, cu_seqlens: Optional[to
 
     key = (seq_len, str(device), None if cu_seqlens is None else tuple(cu_seqlens.tolist()), window)
     if key not in _block_masks:
-        if len(_block_masks) > 4:
-            _block_masks.clear()  # shapes change between batches; window and full layers alternate
+        if len(_block_masks) > _BLOCK_MASK_CACHE_SIZE:
+            _block_masks.clear()
         if cu_seqlens is None:
             document = torch.zeros(seq_len, dtype=torch.long, device=device)
         else:
