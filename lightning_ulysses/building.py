@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import copy
 import functools
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+
+from lightning_ulysses import _compat
+from lightning_ulysses.patches import replaced
 
 
 @contextmanager
@@ -52,11 +55,7 @@ _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
 
 
 def _is_partitioned(tensor: Any) -> bool:
-    if not hasattr(tensor, "ds_id"):
-        return False
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return tensor.ds_status == ZeroParamStatus.NOT_AVAILABLE
+    return _compat.is_zero3_released(tensor)
 
 
 def _gathering(init_function: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,15 +79,12 @@ def _gathering(init_function: Callable[..., Any]) -> Callable[..., Any]:
 def partition_aware_init() -> Iterator[None]:
     """Within the block, ``torch.nn.init.<fn>_(param, ...)`` on a ZeRO-3-partitioned parameter initialises the whole
     parameter (gathered) instead of silently doing nothing; other tensors are unaffected. Restored on exit."""
-    originals = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS if hasattr(nn.init, name)}
-    for name, function in originals.items():
-        if not getattr(function, "__wrapped_by_ulysses__", False):
-            setattr(nn.init, name, _gathering(function))
-    try:
+    with ExitStack() as stack:
+        for name in _INIT_FUNCTIONS:
+            function = getattr(nn.init, name, None)
+            if function is not None and not getattr(function, "__wrapped_by_ulysses__", False):
+                stack.enter_context(replaced(nn.init, name, _gathering(function), f"torch.nn.init.{name}"))
         yield
-    finally:
-        for name, function in originals.items():
-            setattr(nn.init, name, function)
 
 
 ModuleModes = list[tuple[nn.Module, bool]]

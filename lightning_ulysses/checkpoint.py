@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from torch import nn
 
-from lightning_ulysses import hf, hf_attention, integrity
+from lightning_ulysses import _compat, hf, hf_attention, integrity
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -245,23 +245,18 @@ def zero3_inference_loading(engine: Any) -> Iterator[None]:
     batches see the checkpoint's weights. ``engine=None`` or a training engine: no change.
     """
     optimizer = getattr(engine, "optimizer", None)
-    if optimizer is None or hasattr(optimizer, "_restore_from_bit16_weights"):
+    if optimizer is None or _compat.has_restore_from_bit16(optimizer):
         yield
         return
 
     def write_loaded_weights_into_partitions() -> None:
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
         gathered = [p for p in engine.module.parameters()
-                    if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.AVAILABLE]
+                    if _compat.is_zero3_gathered(p)]
         if gathered:  # every rank loaded the same state dict, so each rank's full data is the checkpoint's
             gathered[0].partition(param_list=gathered, has_been_updated=True)
 
-    optimizer._restore_from_bit16_weights = write_loaded_weights_into_partitions
-    try:
+    with _compat.restore_from_bit16_override(optimizer, write_loaded_weights_into_partitions):
         yield
-    finally:
-        del optimizer._restore_from_bit16_weights
 
 
 # ----------------------------------------------------------------------------------------------- what is recorded
@@ -324,7 +319,7 @@ def continue_truncated_epoch(checkpoint: dict[str, Any], batches_per_epoch: floa
         return False
     try:
         epochs = fit["epoch_progress"]
-        batches = fit["epoch_loop.batch_progress"]
+        batches = fit[_compat.BATCH_PROGRESS_KEY]
         loaders = fit.get("state_dict", {}).get("combined_loader") or []
     except (KeyError, TypeError):
         return False

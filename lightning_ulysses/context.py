@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lightning_ulysses.gradient_factor import GradientFactors
+
 SHARD_INFO_KEY = "_ulysses"
 
 
@@ -91,8 +93,8 @@ class StepContext:
         ulysses_group: the ranks of the all-to-all around attention (the SP group when ``ring_size = 1``).
         ring_group: the ranks that exchange keys/values across ring groups (this rank alone when ``ring_size = 1``).
         ring_size: ring groups per SP group; 1: Ulysses only.
-        grad_scale: factor on the local loss share that makes DeepSpeed's gradient reduction exact (see loss.py).
-        accumulation: gradient-accumulation steps DeepSpeed divides the loss by.
+        gradients: the run's gradient factors (:class:`~lightning_ulysses.gradient_factor.GradientFactors`: the
+            factor on an SP loss's local share and on the whole loss, the accumulation count).
         sdpa_per_document: with ``sdpa``, attend within each packed document by one SDPA call per document.
         shard_info: the current batch's :class:`ShardInfo`.
         token_stats: per-token ``(loss, argmax_correct)`` of this rank's shard, ``[B, s]`` each (loss 0 and correct
@@ -101,9 +103,6 @@ class StepContext:
         tile_shard_len: the step's longest shard over all ranks, set when tile counts follow the shard length
             (``tiled_mlp``/``tiled_loss="auto"``) under ZeRO-3 with several replicas: every rank then runs the same
             number of tiles, so ZeRO-3 issues the same parameter gathers everywhere. ``None``: the local length.
-        loss_scale: factor on the gradient of the whole loss a training step back-propagates (see
-            :func:`lightning_ulysses.loss.whole_loss_gradient_factor`): terms that are the same on every rank are then
-            exact, and the SP losses are scaled to match.
         incoming_gradients: the gradients that reached the SP losses of the current backward pass (one per loss
             call), compared between SP peers before the optimizer step.
         in_step: a training/validation/test/predict step (or :meth:`evaluate_full_batch`) is running, so model calls
@@ -122,13 +121,11 @@ class StepContext:
     ulysses_group: dist.ProcessGroup
     ring_group: dist.ProcessGroup
     ring_size: int = 1
-    grad_scale: float = 1.0
-    accumulation: int = 1
+    gradients: GradientFactors = field(default_factory=GradientFactors)
     sdpa_per_document: bool = False
     shard_info: Optional[ShardInfo] = None
     tile_shard_len: Optional[int] = None
     token_stats: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-    loss_scale: float = 1.0
     incoming_gradients: Optional[list] = None
     in_step: bool = False
     plain: bool = False

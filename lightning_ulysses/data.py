@@ -104,15 +104,13 @@ def shard_batch(
 
     geometry = SequenceGeometry(sp_size, ring_size)
     padded_len = geometry.padded_length(S)
-    shard_len = padded_len // sp_size
-    start = sp_rank * shard_len
-    # [s] global positions of this rank's zigzag shard (Ulysses only: the contiguous slice from `start`)
-    index = geometry.shard_index(padded_len, sp_rank) if ring_size > 1 else None
+    index = geometry.shard_index(padded_len, sp_rank)  # [s] positions of the padded row this rank holds
+    span = geometry.contiguous_span(padded_len, sp_rank)  # the same as one slice (Ulysses only), else None
 
     def cut(value: torch.Tensor, key: str) -> torch.Tensor:  # [B, S, ...] -> [B, s, ...]
         if padded_len != S:
             value = _pad_sequence(value, key, padded_len, pad_token_id, ignore_index)
-        return value[:, start : start + shard_len].contiguous() if index is None else value[:, index]
+        return value[:, span].contiguous() if span is not None else value[:, index]
 
     for key, value in out.items():
         if isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == (B, S):
@@ -123,7 +121,7 @@ def shard_batch(
     info.max_position = int(position_ids.max())  # the full batch's, as one device's rotary embedding sees it
     info.attention_mask = out.get(ATTENTION_MASK)
     info.target_valid = cut(target_valid, "target_valid")  # padded with False
-    info.global_index = torch.arange(start, start + shard_len) if index is None else index
+    info.global_index = index
     info.padded_len = padded_len
     info.halo = next_token_sources(padded_len, geometry, sp_rank)
     out[SHARD_INFO_KEY] = info

@@ -51,6 +51,18 @@ class SequenceGeometry:
         unit = self.sp_size * (2 if self.ring_size > 1 else 1)
         return -(-seq_len // unit) * unit
 
+    def shard_length(self, seq_len: int) -> int:
+        """``s``: tokens per rank of a row of ``seq_len`` tokens (after the padding of :meth:`padded_length`)."""
+        return self.padded_length(seq_len) // self.sp_size
+
+    def contiguous_span(self, padded_len: int, sp_rank: int) -> Optional[slice]:
+        """The slice of the padded row that SP rank ``sp_rank`` holds when it is one contiguous span (Ulysses only),
+        else ``None`` (zigzag pieces: use :meth:`shard_index`)."""
+        if self.ring_size > 1:
+            return None
+        s = padded_len // self.sp_size
+        return slice(sp_rank * s, (sp_rank + 1) * s)
+
     def shard_index(self, padded_len: int, sp_rank: int) -> torch.Tensor:
         """``[s]`` global positions (indices into the padded row) that SP rank ``sp_rank`` holds."""
         s = padded_len // self.sp_size

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_ulysses.calls import install_call_completion, remove_call_completion
 from lightning_ulysses.context import StepContext
+from lightning_ulysses.patches import replaced
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.hf_attention import _CONTEXT_ATTR, _PREFIX
 from lightning_ulysses.loss import SequenceParallelLossFunction
@@ -212,11 +213,9 @@ def _with_ulysses_sdpa(module: nn.Module, context: StepContext) -> Callable[...,
             return ulysses_attention(query.contiguous(), key.contiguous(), value.contiguous(), context.sp_group,
                                      full_sequence_sdpa)  # [B, Hq, s, D], as SDPA returns
 
-        F.scaled_dot_product_attention = ulysses_sdpa
-        try:
+        with replaced(F, "scaled_dot_product_attention", ulysses_sdpa,
+                      "torch.nn.functional.scaled_dot_product_attention"):
             return original_forward(module, *args, **kwargs)
-        finally:
-            F.scaled_dot_product_attention = original_sdpa
 
     return forward
 

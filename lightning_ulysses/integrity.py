@@ -20,6 +20,9 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from lightning_ulysses.patches import replaced
+
+
 def file_digest(path: Path) -> str:
     """SHA-256 of a file's bytes (hex)."""
     with open(path, "rb") as f:
@@ -94,8 +97,5 @@ def restricted_torch_load() -> Iterator[None]:
         with torch.serialization.safe_globals(allowed):
             return original(*args, **kwargs)
 
-    torch.load = load
-    try:
+    with replaced(torch, "load", load, "torch.load"):
         yield
-    finally:
-        torch.load = original

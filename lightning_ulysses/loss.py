@@ -9,15 +9,8 @@ its shard's valid tokens, and one all-reduce over all ranks (DP × SP) gives the
   whole gradient-accumulation window when the train loader looked ahead to count it (exact token weighting across
   micro-batches of different lengths, as one k-times larger batch would give).
 
-Gradient scales, in two places (measured per ZeRO stage, pinned by tests/test_parity.py and tests/test_steps.py):
-
-* the whole loss a training step returns is back-propagated with the factor :func:`whole_loss_gradient_factor`
-  (``k · D / (dp · sp)``): DeepSpeed sums gradients over all DP × SP ranks and divides by ``D`` (dp at ZeRO 0/1/2
-  and ZeRO 3 without ``reduce_scatter``; dp × sp at ZeRO 3 with ``reduce_scatter``, Lightning's default), and with
-  ``k`` accumulation steps Lightning and DeepSpeed each divide the loss by ``k``. A term that is the same on every
-  rank (a weight regulariser, an auxiliary loss computed from global quantities) is then exact as it is;
-* an SP loss therefore acts like a replicated term: its local share carries ``grad_scale = dp × sp`` (times ``k`` with
-  a look-ahead accumulation window), so the shares of all ranks add up to the gradient of the global mean.
+The factors on the gradients (of the whole loss a step returns, and of an SP loss's local share) are stated in
+:mod:`lightning_ulysses.gradient_factor`, their one owner.
 
 The loss returned carries ``value`` bitwise (the same fp32 number on every rank) and passes its gradient to the local
 share (:class:`_ValueWithGradientOf`), recording that gradient for the SP-peer check of the step. One all-reduce of
@@ -26,7 +19,7 @@ share (:class:`_ValueWithGradientOf`), recording that gradient for the SP-peer c
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,22 +28,6 @@ import torch.nn.functional as F
 from lightning_ulysses.context import StepContext
 
 IGNORE_INDEX = -100
-
-
-def zero_gradient_scale(deepspeed_config: Mapping[str, Any], sp_size: int, dp_size: int = 1) -> float:
-    """``D``: what DeepSpeed divides the sum of all ranks' gradients by (dp, or dp × sp at ZeRO-3 with
-    ``reduce_scatter``). A loss share ``local_sum / N`` back-propagated with factor ``D`` gives the exact gradient."""
-    zero = deepspeed_config.get("zero_optimization") or {}
-    if zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True):
-        return float(dp_size * sp_size)
-    return float(dp_size)
-
-
-def whole_loss_gradient_factor(deepspeed_config: Mapping[str, Any], sp_size: int, dp_size: int,
-                               accumulation: int = 1) -> float:
-    """Factor on the gradient of the whole loss a training step returns: ``k · D / (dp · sp)``. With it a term that is
-    the same on every rank trains as on one device, and the SP losses (share scale ``dp · sp``) stay exact."""
-    return accumulation * zero_gradient_scale(deepspeed_config, sp_size, dp_size) / (dp_size * sp_size)
 
 
 def scale_gradient(loss: torch.Tensor, factor: float) -> torch.Tensor:
@@ -90,7 +67,8 @@ def sequence_parallel_cross_entropy(
         shift_labels: ``[B, s]`` next-token targets of the shard (the collate step's ``shift_labels``); positions
             equal to ``ignore_index`` do not count. A shard without any target contributes 0, never NaN.
         group: the ranks whose shards make up the batch (``None``: every rank of the default group, if initialised).
-        grad_scale: factor on the local share's gradient (see :func:`zero_gradient_scale`).
+        grad_scale: factor on the local share's gradient (under the strategy:
+            :attr:`~lightning_ulysses.gradient_factor.GradientFactors.sp_loss_share`).
         ignore_index: label value of positions that carry no target.
         window_tokens: this rank's target-token count over the gradient-accumulation window; the gradient is then
             normalised by the window's global count instead of the micro-batch's.
@@ -114,10 +92,8 @@ def token_statistics(logits: torch.Tensor, shift_labels: torch.Tensor,
     """Per-token fp32 cross-entropy ``[B, s]`` (0 where there is no target) and whether the argmax is the target
     ``[B, s]`` (False where there is none), from ``[B, s, V]`` logits."""
     labels = shift_labels.to(logits.device)
-    losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                             ignore_index=ignore_index, reduction="none").view(labels.shape)
     correct = (logits.argmax(-1) == labels) & (labels != ignore_index)
-    return losses, correct
+    return token_cross_entropy(logits, labels, ignore_index), correct
 
 
 def normalize_loss_sum(
@@ -180,13 +156,9 @@ class _ValueWithGradientOf(torch.autograd.Function):
 
 
 def step_normalization(context: StepContext) -> tuple[float, Optional[torch.Tensor]]:
-    """The gradient scale and accumulation-window token count of the current step."""
+    """The share factor and accumulation-window token count of the current step."""
     window = context.shard_info.window_tokens if context.shard_info is not None else None
-    # The whole loss is back-propagated with k·D/(dp·sp) (whole_loss_gradient_factor), and with k accumulation steps
-    # Lightning and DeepSpeed each divide it by k: a share normalised by the whole window's tokens is multiplied by k
-    # once more (measured, tests pin it); a share normalised per micro-batch averages the micro-batches as Lightning
-    # does on one device.
-    return context.grad_scale * (context.accumulation if window is not None else 1), window
+    return context.gradients.sp_loss_share_for(window_normalised=window is not None), window
 
 
 def step_cross_entropy(
@@ -243,7 +215,7 @@ def step_token_mean(context: StepContext, values: torch.Tensor, weights: torch.T
     is taken per micro-batch (with accumulation, the micro-batches are averaged as Lightning does on one device)."""
     weights = weights.to(values.device).float()
     local_sum = (values.float() * weights).sum()
-    return normalize_weighted_sum(local_sum, weights.sum(), None, context.grad_scale, None,
+    return normalize_weighted_sum(local_sum, weights.sum(), None, context.gradients.sp_loss_share, None,
                                   context.incoming_gradients)
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ulysses import _compat
 from lightning_ulysses.context import StepContext
 from lightning_ulysses.loss import cross_entropy_sum, step_loss_from_sum, token_statistics
 
@@ -164,7 +165,7 @@ class TiledMLP(torch.autograd.Function):
         for index, (x_tile, grad_tile) in enumerate(zip(x_tiles, grad_tiles)):
             last = index == ctx.tiles - 1
             for param in ctx.params:  # ZeRO reduces a weight's gradient once every slice has added to it
-                param.ds_grad_is_ready = last
+                _compat.defer_zero3_gradient(param, ready=last)
             x_tile = x_tile.requires_grad_(grad_x is not None)
             with torch.enable_grad():
                 out_tile = ctx.mlp(x_tile)

@@ -15,7 +15,7 @@ strategy holds the model (a context manager; restored after fit).
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator, Optional
 
 import torch
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses.context import StepContext
+from lightning_ulysses.patches import replaced
 from lightning_ulysses.loss import _ValueWithGradientOf
 
 _FUNCTION = "load_balancing_loss_func"
@@ -37,26 +38,26 @@ def has_load_balancing_loss(model: nn.Module) -> bool:
 def exact_load_balancing_loss(models: list[nn.Module], context: StepContext) -> Iterator[None]:
     """Inside the block, the router loss of every model in ``models`` is the global batch's (see the module
     docstring); outside any step (generation, plain mode) the original function runs."""
-    patched: list[tuple[Any, Any]] = []
-    for model in models:
-        module = sys.modules.get(type(model).__module__)
-        original = getattr(module, _FUNCTION, None)
-        if original is None or getattr(original, "_ulysses", False):
-            continue
-
-        def sp_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None, _original=original):
-            if context.plain or not context.in_step or context.shard_info is None:
-                return _original(gate_logits, num_experts, top_k, attention_mask)
-            return sequence_parallel_load_balancing_loss(gate_logits, num_experts, top_k, context)
-
-        sp_loss._ulysses = True  # type: ignore[attr-defined]
-        setattr(module, _FUNCTION, sp_loss)
-        patched.append((module, original))
-    try:
+    with ExitStack() as stack:
+        for model in models:
+            _replace_router_loss(model, context, stack)
         yield
-    finally:
-        for module, original in reversed(patched):
-            setattr(module, _FUNCTION, original)
+
+
+def _replace_router_loss(model: nn.Module, context: StepContext, stack: ExitStack) -> None:
+    """The router loss function of ``model``'s modeling module, replaced inside ``stack``."""
+    module = sys.modules.get(type(model).__module__)
+    original = getattr(module, _FUNCTION, None)
+    if original is None or getattr(original, "_ulysses", False):
+        return
+
+    def sp_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None, _original=original):
+        if context.plain or not context.in_step or context.shard_info is None:
+            return _original(gate_logits, num_experts, top_k, attention_mask)
+        return sequence_parallel_load_balancing_loss(gate_logits, num_experts, top_k, context)
+
+    sp_loss._ulysses = True  # type: ignore[attr-defined]
+    stack.enter_context(replaced(module, _FUNCTION, sp_loss, f"{module.__name__}.{_FUNCTION}"))
 
 
 def sequence_parallel_load_balancing_loss(gate_logits: Any, num_experts: Optional[int], top_k: int,
@@ -86,4 +87,4 @@ def sequence_parallel_load_balancing_loss(gate_logits: Any, num_experts: Optiona
     mean_probability = (totals[num_experts:2 * num_experts] / n).float()  # P_e, global
     value = num_experts * (share_of_assignments * mean_probability).sum()
     local = num_experts * (share_of_assignments * probabilities / n.float()).sum()  # this rank's part of P's sum
-    return _ValueWithGradientOf.apply(value, local * context.grad_scale, context.incoming_gradients)
+    return _ValueWithGradientOf.apply(value, local * context.gradients.sp_loss_share, context.incoming_gradients)

@@ -34,6 +34,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from lightning_ulysses import _compat
 from lightning_ulysses.checkpoint import DEEPSPEED_TAG
 
 
@@ -150,11 +151,8 @@ def _model_states_of_the_saved_layout(engine: Any, saved_ranks: int, saved_stage
         pp = str(own % saved_ranks) if pp_placeholder is None else pp_placeholder
         return str(Path(path) / str(tag) / f"zero_pp_rank_{pp}_mp_rank_{mp}_model_states.pt")
 
-    engine._get_ckpt_name = saved_name
-    try:
+    with _compat.checkpoint_name_override(engine, saved_name):
         yield
-    finally:
-        del engine._get_ckpt_name
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -312,7 +310,7 @@ def _fill_zero12(engine: Any, saved: _Saved) -> None:
     _load_loss_scaling(zero, saved)
     zero.optimizer.load_state_dict({"state": dict(enumerate(states)),
                                     "param_groups": _param_groups(saved, len(masters))})
-    zero._link_all_hp_params()
+    _compat.link_hp_params(zero)
 
 
 def _fill_zero3(engine: Any, saved: _Saved) -> None:
@@ -328,15 +326,15 @@ def _fill_zero3(engine: Any, saved: _Saved) -> None:
         offset = 0
         for param in params:
             chunk = param.partition_numel()
-            lo, hi = rank * chunk, min((rank + 1) * chunk, param.ds_numel)
+            lo, hi = rank * chunk, min((rank + 1) * chunk, _compat.zero3_numel(param))
             if lo < hi:
                 _copy(saved, engine.param_names[param], lo, hi, masters[g].data, states[g], offset)
             offset += chunk
     _load_loss_scaling(zero, saved)
-    zero._set_fp32_optimizer_param_groups()
+    _compat.set_fp32_param_groups(zero, True)
     zero.optimizer.load_state_dict({"state": dict(enumerate(states)),
                                     "param_groups": _param_groups(saved, len(masters))})
-    zero._clear_fp32_optimizer_param_groups()
+    _compat.set_fp32_param_groups(zero, False)
     for g, master in enumerate(masters):  # the weights' partitions from the fp32 masters, as DeepSpeed does
         zero.fp16_partitioned_groups_flat[g].data.copy_(master.data)
         unflat = zero.unflatten(zero.fp16_partitioned_groups_flat[g], zero.fp16_partitioned_groups[g])

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_ulysses import _compat
 from lightning_ulysses.geometry import zigzag_positions
 
 
@@ -133,15 +134,12 @@ def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def _cpu_flash_forward(q, k, v, causal, mask, scale):
     additive = None if mask is None else _additive(mask, q.dtype)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, attn_mask=additive, scale=scale)
+    return _compat.cpu_flash_attention(q, k, v, causal, additive, scale)
 
 
 def _cpu_flash_backward(dout, q, k, v, out, lse, causal, mask, scale):
     additive = None if mask is None else _additive(mask, q.dtype)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-        0.0, causal, attn_mask=additive, scale=scale)
+    return _compat.cpu_flash_attention_backward(dout, q, k, v, out, lse, causal, additive, scale)
 
 
 def _aligned_bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -156,8 +154,7 @@ def _aligned_bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch
 
 def _cuda_efficient_forward(q, k, v, causal, mask, scale):
     bias = None if mask is None else _aligned_bias(mask, q, k)
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), bias, True, 0.0, causal, scale=scale)
+    out, lse = _compat.efficient_attention(q, k, v, bias, causal, scale)
     return out, lse[..., :q.shape[-2]]  # the op pads lse [B, h, ceil(cq/32)·32]
 
 
@@ -166,11 +163,7 @@ def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, mask, scale):
     B, h, cq, _ = q.shape
     padded = torch.zeros((B, h, -(-cq // 32) * 32), dtype=torch.float32, device=q.device)  # the op's lse layout
     padded[..., :cq] = lse
-    no_dropout = torch.zeros((), dtype=torch.long)  # philox seed and offset: unused without dropout
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), bias, out.contiguous(), padded,
-        no_dropout, no_dropout, 0.0, [True, True, True, False], causal, scale=scale)
-    return dq, dk, dv
+    return _compat.efficient_attention_backward(dout, q, k, v, bias, out, padded, causal, scale)
 
 
 def _matmul_forward(q, k, v, causal, mask, scale):

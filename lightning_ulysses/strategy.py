@@ -1,14 +1,21 @@
-"""``UlyssesDeepSpeedStrategy``: Lightning's DeepSpeed strategy plus Ulysses sequence parallelism. Glue only: the
-layout, the attention exchange, the data path and the loss live in their own modules; the strategy's hooks around
-steps (:mod:`~lightning_ulysses.step_hooks`), for loaders (:mod:`~lightning_ulysses.loader_hooks`), checkpoints
-(:mod:`~lightning_ulysses.checkpoint_hooks`), the DeepSpeed engine (:mod:`~lightning_ulysses.engine_setup`) and the
-step API of a ``training_step`` (:mod:`~lightning_ulysses.step_api`) are mixed in from theirs. This file: the
-arguments, the layout, preparing the models before DeepSpeed's engine exists, and giving everything back after."""
+"""``UlyssesDeepSpeedStrategy``: Lightning's DeepSpeed strategy plus Ulysses sequence parallelism.
+
+Glue only, in one file: every Lightning hook the strategy overrides is here, marked ``@override``, and hands its work
+to the object that owns it:
+
+* the DP×SP layout: :class:`~lightning_ulysses.layout.SequenceParallelLayout`;
+* the models, found, validated and prepared per stage: :class:`~lightning_ulysses.model_preparation.PreparedModels`;
+* every step (shard facts, checks, the gradient factor, the step API): :class:`~lightning_ulysses.step_runner.StepRunner`;
+* the DataLoaders: :func:`~lightning_ulysses.loader_setup.prepare_dataloader`;
+* checkpoints: :mod:`~lightning_ulysses.checkpoint_io`;
+* every change to objects the strategy does not own, undone in teardown: :class:`~lightning_ulysses.patches.PatchStack`;
+* Lightning's private methods the strategy overrides: :mod:`~lightning_ulysses._compat`.
+"""
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
-from typing import Any, Generator, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Generator, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
@@ -19,16 +26,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
-from lightning_ulysses import (building, calls, form_check, generation, hf, hf_attention, litgpt_models, memory, moe,
-                               refusals)
+from lightning_ulysses import _compat, building, checkpoint_io, memory
 from lightning_ulysses.agreement import SPAgreement
-from lightning_ulysses.attention import ModuleSelector, find_attention_cores, unwrap_attention_core, wrap_attention_core
-from lightning_ulysses.checkpoint_hooks import CheckpointHooks
-from lightning_ulysses.context import StepContext
-from lightning_ulysses.engine_setup import DeepSpeedEngineSetup, use_deepspeed_cpu_accelerator
+from lightning_ulysses.attention import ModuleSelector
+from lightning_ulysses.context import ShardInfo, StepContext
+from lightning_ulysses.data import automatic_batching_off_error
 from lightning_ulysses.geometry import SequenceGeometry
+from lightning_ulysses.gradient_factor import GradientFactors, verify_deepspeed_divisor
 from lightning_ulysses.layout import (
     SequenceParallelLayout,
     node_spanning_warning,
@@ -36,15 +44,13 @@ from lightning_ulysses.layout import (
     validate_ring_size,
     validate_sp_size,
 )
-from lightning_ulysses.loader_hooks import LoaderHooks
-from lightning_ulysses.loaders import ShardInfoQueue, restore_loader
-from lightning_ulysses.loss import whole_loss_gradient_factor
-from lightning_ulysses.step_api import StepAPI
-from lightning_ulysses.step_hooks import StepHooks
+from lightning_ulysses.loader_setup import prepare_dataloader
+from lightning_ulysses.model_preparation import PreparedModels
+from lightning_ulysses.patches import PatchStack
+from lightning_ulysses.step_runner import StepRunner
 
 
-class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks, DeepSpeedEngineSetup,
-                               DeepSpeedStrategy):
+class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO training with Ulysses sequence parallelism (DeepSpeed Ulysses / ALST) for long sequences.
 
     Each sequence is split across ``sp_size`` ranks: every rank holds ``S / sp_size`` tokens with all heads, and
@@ -143,24 +149,14 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         self.gather_predictions = gather_predictions
         self.attention_modules = list(attention_modules or [])
         self.memory_features = memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints)
-        self._wrapped_cores: list[Module] = []
-        self._layout: Optional[SequenceParallelLayout] = None
-        self._context: Optional[StepContext] = None
-        self._prepared_models: list[Module] = []
-        self._saved_modes: building.ModuleModes = []
         self.check_sp_agreement = check_sp_agreement
         self.verify_checkpoints = verify_checkpoints
         self.check_model_form = check_model_form
-        self._form_check_pending = False
-        self._form_check_roots: list[Module] = []
-        self.form_checks_run = 0  # model-form checks passed by this strategy (one per Trainer stage)
-        self._agreement: Optional[SPAgreement] = None
-        self._step_queues: dict[str, ShardInfoQueue] = {}
-        self._prepared_loaders: list[Any] = []  # given their own collate functions back in teardown
-        self._own_model_roots: list[Module] = []
-        self._litgpt_models: list[Module] = []  # LitGPT GPTs, prepared by lightning_ulysses.litgpt_models
-        self._patches = ExitStack()  # process-global patches held while models are prepared (closed in teardown)
-        self._step_shift_labels: Optional[torch.Tensor] = None
+        self._layout: Optional[SequenceParallelLayout] = None
+        self._runner: Optional[StepRunner] = None  # per stage: from setup_environment to teardown
+        self._models = PreparedModels()
+        self._patches = PatchStack()  # every change to the user's objects and to other libraries, closed in teardown
+        self._form_checks_before = 0  # model-form checks of the stages before the current one
 
     # ----------------------------------------------------------------------------------------------- layout
     @property
@@ -211,10 +207,28 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         DDPStrategy.setup_environment(self)
         if self._layout is None:
             self._layout = SequenceParallelLayout.build(self.root_device.type, self.sp_size, self.ring_size)
-        if self.check_sp_agreement and self.sp_size > 1:
-            self._agreement = SPAgreement(self._layout.sp_group, self._layout.sp_group_ranks(), self.root_device)
+        if self._runner is None:
+            self._runner = self._new_runner(self._layout)
         if self.lightning_module is not None:
-            self.lightning_module._device_mesh = self._layout.mesh
+            _compat.set_device_mesh(self.lightning_module, self._layout.mesh)
+
+    def _new_runner(self, layout: SequenceParallelLayout) -> StepRunner:
+        """The step runner of one stage, with the gradient factors of the DeepSpeed config as it is now (completed
+        in :meth:`init_deepspeed`, once Lightning has filled in the batch settings)."""
+        context = StepContext(sp_group=layout.sp_group, ulysses_group=layout.ulysses_group,
+                              ring_group=layout.ring_group, ring_size=self.ring_size,
+                              sdpa_per_document=self.sdpa_per_document, incoming_gradients=[],
+                              gradients=GradientFactors(layout.dp_size, layout.sp_size))
+        agreement = (SPAgreement(layout.sp_group, layout.sp_group_ranks(), self.root_device)
+                     if self.check_sp_agreement and layout.sp_size > 1 else None)
+        return StepRunner(layout, context, self._models, agreement, self.root_device, agree_on_tile_counts=False,
+                          gather_predictions=self.gather_predictions, check_model_form=self.check_model_form)
+
+    @property
+    def runner(self) -> StepRunner:
+        if self._runner is None:
+            raise RuntimeError("The step context exists once the Trainer has set up the strategy.")
+        return self._runner
 
     @override
     def setup_distributed(self) -> None:
@@ -252,150 +266,137 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
 
     @override
     def init_deepspeed(self) -> None:
-        self._prepare_models()
-        super().init_deepspeed()
-
-    def _prepare_models(self) -> None:
-        """Validate and switch every HF model to Ulysses attention + SP loss (before any compute)."""
+        """Prepare the models (before any compute), build DeepSpeed's engine, and when training check once that
+        DeepSpeed averages gradients the way the strategy's gradient factors assume."""
         assert self.lightning_module is not None and isinstance(self.config, dict)
-        refusals.refuse_tuning_callbacks(self.lightning_module.trainer.callbacks)
-        models = hf.find_pretrained_models(self.lightning_module)
-        cores = [m for _, m in find_attention_cores(self.lightning_module, self.attention_modules)]
-        litgpt = litgpt_models.find_litgpt_models(self.lightning_module)
-        if not models and not cores and not litgpt and self.sp_size > 1:
-            raise ValueError(
-                f"UlyssesDeepSpeedStrategy(sp_size={self.sp_size}) found no Hugging Face PreTrainedModel and no"
-                " attention core in the LightningModule, so there is no attention to run over the whole sequence:"
-                " each rank would attend only within its own shard and train a different model. Declare your"
-                " attention cores with `attention_modules=[...]` (classes or name patterns; see"
-                " docs/data-and-training-step.md, 'Your own model'), mark them with `ulysses_attention_core = True`, or use `sp_size=1`."
-            )
-        for model in models:
-            refusals.validate_model(model, self.sp_size, self.root_device.type, self.ring_size)
-        for model in litgpt:
-            refusals.validate_litgpt_model(model, self.sp_size, self.ring_size)
-        if cores and self.ring_size > 1:
-            raise ValueError(
-                f"attention_modules (your own attention cores) are not supported with ring_size={self.ring_size} yet:"
-                " use ring_size=1."
-            )
-        hf_attention.register_attention_functions()
+        runner = self.runner
         accumulation = int(self.config.get("gradient_accumulation_steps", 1))
-        self._context = StepContext(
-            sp_group=self.sp_group,
-            grad_scale=float(self.dp_size * self.sp_size),  # SP losses act as terms replicated on every rank
-            loss_scale=whole_loss_gradient_factor(self.config, self.sp_size, self.dp_size, accumulation),
-            accumulation=accumulation,
-            sdpa_per_document=self.sdpa_per_document,
-            ulysses_group=self.layout.ulysses_group,
-            ring_group=self.layout.ring_group,
-            ring_size=self.ring_size,
-            incoming_gradients=[],
-            zero_stage_3=self.zero_stage_3,
-        )
-        for model in models:
-            hf.prepare_model(model, self._context)
-            memory.enable(model, self.memory_features, self._context)
-            generation.install_plain_generate(model, self._context, self.zero_stage_3)
-        self._patches.close()
-        self._patches.enter_context(moe.exact_load_balancing_loss(models, self._context))
-        self._prepared_models = models
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._saved_modes.extend(building.train_mode_for_fit(models))
-        for model in litgpt:
-            litgpt_models.prepare_litgpt(model, self._context)
-        self._litgpt_models = litgpt
-        for core in cores:
-            wrap_attention_core(core, self.sp_group, self._context)
-        self._wrapped_cores = cores
-        # Own models: the outermost modules around the attention cores whose forward takes `position_ids` get the
-        # shard's positions when called without them.
-        self._own_model_roots = calls.position_taking_roots(self.lightning_module, cores)
-        for root in self._own_model_roots:
-            calls.install_call_completion(root, self._context, hf_model=False)
-        self._form_check_roots = form_check.own_model_roots(self.lightning_module, cores, models,
-                                                            self._own_model_roots)
-        self._form_check_pending = self.check_model_form and self.sp_size > 1
+        runner.context.gradients = GradientFactors.for_config(self.config, self.sp_size, self.dp_size, accumulation)
+        runner.context.zero_stage_3 = self.zero_stage_3
+        runner.agree_on_tile_counts = self.memory_features.auto and self.zero_stage_3 and self.dp_size > 1
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        self._models.prepare(self.lightning_module, runner.context, self._patches,
+                             attention_modules=self.attention_modules, ring_size=self.ring_size,
+                             device_type=self.root_device.type, memory_features=self.memory_features,
+                             fitting=fitting)
+        runner.begin_stage()
+        super().init_deepspeed()
+        if fitting:
+            verify_deepspeed_divisor(runner.context.gradients, self.config, self.layout.deepspeed_mpu(),
+                                     self.root_device, _compat.device_rank(self))
 
-    def _check_model_form(self, batch: Any) -> None:
-        """The model-form check on the first step's batch (:mod:`lightning_ulysses.form_check`)."""
-        context = self._context
-        ids = batch.get("input_ids") if isinstance(batch, dict) else None
-        if context is None or context.shard_info is None or not isinstance(ids, torch.Tensor):
-            return
-        models = self._prepared_models
-        probe = form_check.build_probe(context.shard_info, ids, self.layout.geometry, self.sp_rank, self.sp_group,
-                                       form_check.longest_window(models))
-        targets = [(m, form_check.whole_hf_call, form_check.sharded_hf_call) for m in models]
-        targets += [(root, form_check.whole_own_call, form_check.sharded_own_call) for root in self._form_check_roots]
-        targets += [(m, form_check.whole_litgpt_call, form_check.sharded_own_call) for m in self._litgpt_models]
-        form_check.check_model_form(targets, probe, context, self.root_device, self._plain_models)
-        self.form_checks_run += 1
+    @override
+    def _setup_model_and_optimizer(
+        self,
+        model: Module,
+        optimizer: Optional[Optimizer],
+        lr_scheduler: Optional[Union[LRScheduler, ReduceLROnPlateau]] = None,
+    ) -> tuple[Any, Optimizer]:
+        return _compat.initialize_training_engine(self, model, optimizer, lr_scheduler, self.layout.deepspeed_mpu())
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        # Lightning removes every module hook first: the strategy's own pre-hooks are installed again after it.
+        self.model = _compat.initialize_inference_engine(
+            self, model, self.layout.deepspeed_mpu(), lambda: self._models.reinstall_hooks(self.runner.context))
+
+    # ----------------------------------------------------------------------------------------------- steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs.get("batch")
+        trainer = _compat.attached_trainer(self.lightning_module)
+        if trainer is not None and self.lightning_module.automatic_optimization:
+            self.runner.follow_accumulation(self.deepspeed_engine, lambda: _compat.window_continues(trainer))
+        with self.runner.step("train", batch):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.runner.step("validate", args[0] if args else kwargs.get("batch")):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.runner.step("test", args[0] if args else kwargs.get("batch")):
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs.get("batch")
+        local_shape = tuple(batch["input_ids"].shape[:2]) if isinstance(batch, dict) and "input_ids" in batch else None
+        with self.runner.step("predict", batch):
+            output = super().predict_step(*args, **kwargs)
+        return self.runner.gather_prediction(output, local_shape)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
+                 ) -> torch.Tensor:
+        """Back-propagate the step's loss with the whole-loss gradient factor, then check, before any weight changes,
+        that the SP peers back-propagated the same loss (:meth:`StepRunner.backward`)."""
+        if self._runner is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        step = self.lightning_module.trainer.global_step
+        self._runner.backward(closure_loss, lambda scaled: super(UlyssesDeepSpeedStrategy, self).backward(
+            scaled, optimizer, *args, **kwargs), self.zero_stage_3, where=f"training step at global step {step}")
+        return closure_loss
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        """``False``: Lightning decides where an accumulation window ends (every ``accumulate_grad_batches`` batches
+        and at the end of the epoch, as on one device) and calls the optimizer step only there; the strategy tells
+        DeepSpeed each micro-batch whether it ends a window (:meth:`StepRunner.follow_accumulation`). Lightning's
+        own DeepSpeed strategy lets DeepSpeed count windows across epochs, so a window that does not divide the epoch
+        drifts away from Lightning's steps."""
+        return False
 
     @contextmanager
-    def _plain_models(self) -> Generator[None, None, None]:
-        """Every prepared model and attention core runs plain (unsharded) inside the block."""
-        assert self._context is not None
-        with ExitStack() as stack:
-            for model in self._prepared_models:
-                stack.enter_context(hf.plain_mode(model, self._context))
-            self._context.plain = True
-            try:
-                yield
-            finally:
-                self._context.plain = False
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Nothing to block: DeepSpeed reduces gradients at the accumulation boundary the strategy sets (its
+        ``no_sync`` refuses ZeRO 2/3, whose gradient partitioning needs the reduction hooks)."""
+        yield None
 
-    def _reinstall_model_hooks(self) -> None:
-        """The prepared models' forward pre-hooks again, after Lightning's DeepSpeed inference set-up removed every
-        module's hooks (``remove_module_hooks``): without them a call during ``trainer.predict/test/validate`` would
-        get positions counted from 0 on every rank."""
-        assert self._context is not None
-        for model in self._prepared_models:
-            hf.reinstall_hooks(model, self._context)
-        for root in self._own_model_roots:
-            calls.remove_call_completion(root)
-            calls.install_call_completion(root, self._context, hf_model=False)
-        for model in self._litgpt_models:
-            litgpt_models.reinstall_hooks(model, self._context)
+    # ----------------------------------------------------------------------------------------------- data
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = _compat.attached_trainer(self.lightning_module)
+        return prepare_dataloader(dataloader, self.layout, self.runner, trainer, self._models.pad_token_id(),
+                                  self._patches)
 
-    def _check_model_hooks(self) -> None:
-        """Every prepared model still has its call-completion hook (checked before each step: something that clears
-        module hooks after the strategy prepared the models would otherwise let shards run as whole sequences)."""
-        for model in [*self._prepared_models, *self._own_model_roots, *self._litgpt_models]:
-            present = (litgpt_models.has_hooks(model) if litgpt_models.is_litgpt_gpt(model)
-                       else calls.has_call_completion(model))
-            if not present:
-                raise RuntimeError(
-                    f"The forward pre-hook UlyssesDeepSpeedStrategy installed on {type(model).__name__} is gone: something"
-                    " removed the module hooks after the strategy prepared the model (Lightning's DeepSpeed inference"
-                    " set-up does, and the strategy installs them again after it; a newer Lightning may do it"
-                    " elsewhere). Without it the model's calls would get positions of the shard counted from 0."
-                    " Please report this with your Lightning version."
-                )
+    @override
+    def _auto_select_batch_size(self) -> int:
+        # Lightning reads `train_dataloader.batch_sampler.batch_size`, an AttributeError for an unbatched loader.
+        loader = _compat.train_loader_of(self.lightning_module.trainer)
+        if isinstance(loader, torch.utils.data.DataLoader) and loader.batch_sampler is None:
+            raise ValueError(automatic_batching_off_error())
+        return super()._auto_select_batch_size()
+
+    # ----------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Lightning's DeepSpeed checkpoint (a directory; every rank writes its shard), marked complete only once every
+        rank has written, with the layout and the Hugging Face models recorded (:mod:`lightning_ulysses.checkpoint`)."""
+        if storage_options is not None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # raises Lightning's TypeError
+        checkpoint_io.save(self, checkpoint, filepath,
+                           lambda content, path: super(UlyssesDeepSpeedStrategy, self).save_checkpoint(content, path))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A checkpoint validated first (complete, intact, a loadable layout), loaded by DeepSpeed on the same layout
+        or re-partitioned on another number of ranks or ZeRO stage (:mod:`lightning_ulysses.resharding`)."""
+        return checkpoint_io.load(self, checkpoint_path, lambda: super(UlyssesDeepSpeedStrategy, self).load_checkpoint(
+            checkpoint_path, weights_only))
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
     def teardown(self) -> None:
-        self._patches.close()
-        building.restore_modes(self._saved_modes)
-        self._saved_modes = []
-        for model in self._prepared_models:
-            memory.disable(model)
-            hf.restore_model(model)
-            generation.remove_plain_generate(model)
-        for core in self._wrapped_cores:
-            unwrap_attention_core(core)
-        for root in self._own_model_roots:
-            calls.remove_call_completion(root)
-        for model in self._litgpt_models:
-            litgpt_models.restore_litgpt(model)
-        self._litgpt_models = []
-        for loader in self._prepared_loaders:
-            restore_loader(loader)
-        self._prepared_models, self._wrapped_cores, self._own_model_roots = [], [], []
-        self._prepared_loaders = []
-        self._context = None
-        self._step_queues = {}
+        if self._runner is not None:
+            self._form_checks_before += self._runner.form_checks_run
+        self._patches.close()  # every model, loader and library function back as it was, last change first
+        self._runner = None
         super().teardown()
 
     @classmethod
@@ -410,3 +411,97 @@ class UlyssesDeepSpeedStrategy(StepHooks, StepAPI, LoaderHooks, CheckpointHooks,
         for name, (description, init_params) in names.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, **init_params)
+
+    # ----------------------------------------------------------------------------------------------- step API
+    @property
+    def step_context(self) -> StepContext:
+        """What the prepared models' attention and loss read during the current step."""
+        return self.runner.context
+
+    @property
+    def current_shard_info(self) -> Optional[ShardInfo]:
+        """Facts about the full batch of the current step (length before padding, packed documents)."""
+        return self._runner.context.shard_info if self._runner is not None else None
+
+    @property
+    def prepared_models(self) -> list[Module]:
+        """The Hugging Face models the strategy switched to Ulysses attention (during fit/validate/test/predict)."""
+        return list(self._models.hf_models)
+
+    @property
+    def form_checks_run(self) -> int:
+        """Model-form checks this strategy ran and passed (one per Trainer stage with ``check_model_form``)."""
+        return self._form_checks_before + (self._runner.form_checks_run if self._runner is not None else 0)
+
+    def shard_positions(self, shard_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Global positions ``[shard_len]`` of this rank's sequence shard (for rotary/absolute position embeddings
+        of your own model; batches from the strategy's loaders also carry them as ``position_ids``). With
+        ``ring_size > 1`` the shard is the zigzag pieces :class:`~lightning_ulysses.geometry.SequenceGeometry` places
+        on this rank."""
+        return self.runner.shard_positions(shard_len, device)
+
+    def token_losses(self) -> torch.Tensor:
+        """Per-token cross-entropy ``[B, s]`` of this rank's shard from the last forward pass of a prepared model
+        run without gradients (``validation_step``/``test_step``/``predict_step``), fp32, 0 where there is no
+        target. Works with ``tiled_loss`` (no full logits). Pair it with the batch's ``position_ids`` and
+        ``shift_labels`` (e.g. :class:`lightning_ulysses.PositionalLoss`)."""
+        return self.runner.token_stats()[0]
+
+    def token_correct(self) -> torch.Tensor:
+        """``[B, s]`` bool: whether the argmax of each position's logits is its target (see :meth:`token_losses`)."""
+        return self.runner.token_stats()[1]
+
+    def evaluate_full_batch(self, model: Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run a prepared model on a FULL batch (``input_ids`` ``[B, S]``, ``labels``; the same on every rank of the
+        SP group) outside the Trainer's loops, e.g. from a callback: the batch is cut into this rank's shard, the
+        model runs sequence-parallel without gradients, and this rank's shard statistics come back:
+        ``{"loss": [B, s], "correct": [B, s], "shift_labels": [B, s], "position_ids": [B, s]}``. Every rank of the
+        world must call it the same number of times (the loss reduces over all ranks)."""
+        return self.runner.evaluate_full_batch(model, batch, self._models.pad_token_id())
+
+    def cross_entropy(self, logits: torch.Tensor, shift_labels: torch.Tensor,
+                      weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean next-token cross-entropy over the batch's target tokens from this rank's ``[B, s, V]`` logits and
+        ``[B, s]`` ``shift_labels``, for a ``training_step`` that computes its own loss. Same value on every rank,
+        the single-device value; exact gradients at every ZeRO stage and with gradient accumulation.
+
+        ``weight``: ``[B]`` per-sample or ``[B, s]`` per-target weights (aligned with ``shift_labels``; for weights
+        given per input token use :meth:`next_token_values`): the loss is then ``sum(w · ce) / sum(w)`` over the
+        target tokens of the whole batch, as ``(ce * w).sum() / w.sum()`` on one device."""
+        return self.runner.cross_entropy(logits, shift_labels, weight)
+
+    def token_mean(self, values: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Weighted mean of per-token ``values`` ``[B, s]`` over the whole batch (every rank's shard): the value a
+        single device computes as ``(values * w).sum() / w.sum()`` on the full batch, the same number on every rank,
+        with exact gradients. Use it for every per-token term of a loss (auxiliary losses on logits or hidden states,
+        weighted token losses): a mean over this rank's shard would be a different function on every rank.
+
+        Args:
+            values: ``[B, s]`` per-token values of this rank's shard (e.g. ``F.cross_entropy(..., reduction="none")``
+                against ``batch["shift_labels"]``, or ``logits.logsumexp(-1) ** 2``).
+            weights: ``[B]`` per-sample or ``[B, s]`` per-token weights; ``None``: 1.
+            mask: ``[B, s]`` which positions count; ``None``: the step's target tokens (``shift_labels != -100``),
+                or, if the batch has no labels, its real tokens (no padding).
+
+        With gradient accumulation the mean is taken per micro-batch, and the micro-batches are averaged as Lightning
+        averages them on one device."""
+        return self.runner.token_mean(values, weights, mask)
+
+    def next_token_values(self, values: torch.Tensor, fill: Any = 0) -> torch.Tensor:
+        """``[B, s, ...]`` -> ``[B, s, ...]``: at every position of this rank's shard, the value at the next position of
+        the full sequence (``fill`` after the last one), across shard boundaries: what ``values[:, 1:]`` is on one
+        device. For per-token tensors of the batch that must line up with the targets, e.g. token weights:
+        ``strategy.cross_entropy(logits, batch["shift_labels"], weight=strategy.next_token_values(batch["w"]))``.
+        One all-gather of ``[B, 1 or 2, ...]`` over the SP group; every SP rank must call it."""
+        return self.runner.next_token_values(values, fill)
+
+
+def use_deepspeed_cpu_accelerator() -> None:
+    """Make DeepSpeed run on CPU when Lightning does, even on a machine whose CUDA DeepSpeed would pick."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, default_collate
 
 from lightning_ulysses.data import SequenceShardingCollate, install_sharding_collate, shard_batch
-from lightning_ulysses.loss import sequence_parallel_cross_entropy, zero_gradient_scale
+from lightning_ulysses.gradient_factor import deepspeed_divisor
+from lightning_ulysses.loss import sequence_parallel_cross_entropy
 
 IGNORE = -100
 SEQ_KEYS = ("input_ids", "labels", "shift_labels", "position_ids")
@@ -416,17 +417,17 @@ def test_cross_entropy_all_ignored_shard_is_zero_not_nan():
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("reduce_scatter", [True, False, None])
-def test_zero_gradient_scale(stage, reduce_scatter):
+def test_deepspeed_divisor(stage, reduce_scatter):
     zero = {"stage": stage}
     if reduce_scatter is not None:
         zero["reduce_scatter"] = reduce_scatter
     expected = 4.0 if stage == 3 and reduce_scatter in (True, None) else 1.0  # reduce_scatter defaults to True
-    assert zero_gradient_scale({"zero_optimization": zero}, 4) == expected
+    assert deepspeed_divisor({"zero_optimization": zero}, 4) == expected
 
 
-def test_zero_gradient_scale_without_zero_section():
-    assert zero_gradient_scale({}, 4) == 1.0
-    assert zero_gradient_scale({"zero_optimization": None}, 4) == 1.0
+def test_deepspeed_divisor_without_zero_section():
+    assert deepspeed_divisor({}, 4) == 1.0
+    assert deepspeed_divisor({"zero_optimization": None}, 4) == 1.0
 
 
 def test_broadcast_position_ids_row_is_expanded_then_sliced():
@@ -436,10 +437,10 @@ def test_broadcast_position_ids_row_is_expanded_then_sliced():
     assert torch.equal(shards[1]["position_ids"], torch.tensor([[0, 1, 2], [0, 1, 2]]))
 
 
-def test_zero_gradient_scale_counts_data_parallel_replicas():
-    assert zero_gradient_scale({"zero_optimization": {"stage": 2}}, sp_size=2, dp_size=3) == 3.0
-    assert zero_gradient_scale({"zero_optimization": {"stage": 3}}, sp_size=2, dp_size=3) == 6.0
-    assert zero_gradient_scale({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, 2, 3) == 3.0
+def test_deepspeed_divisor_counts_data_parallel_replicas():
+    assert deepspeed_divisor({"zero_optimization": {"stage": 2}}, sp_size=2, dp_size=3) == 3.0
+    assert deepspeed_divisor({"zero_optimization": {"stage": 3}}, sp_size=2, dp_size=3) == 6.0
+    assert deepspeed_divisor({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, 2, 3) == 3.0
 
 
 # ----------------------------------------------------------------------------------------------- packed documents

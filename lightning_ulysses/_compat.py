@@ -1,0 +1,271 @@
+"""Every place the package relies on a private API of Lightning, DeepSpeed, torch or transformers, in one module.
+
+A private name, signature or behaviour can change in any release without notice. Each touch point here has a guard
+in ``tests/test_compat.py`` that fails when the upstream code it relies on changes (its name, its signature, a digest
+of its source where the behaviour matters, or the behaviour itself), so that an upgrade breaks a named test instead of
+training silently wrong. The rest of the package calls these functions and never the private names.
+
+Lightning (2.6):
+    :func:`window_continues` (``fit_loop._should_accumulate``), :func:`continue_epoch_at` (the train epoch's batch
+    progress), :func:`train_loader_of` (``fit_loop._data_source``), :func:`attached_trainer`
+    (``LightningModule._trainer``), :func:`set_device_mesh` (``LightningModule._device_mesh``),
+    :func:`remove_module_hooks`, :data:`BATCH_PROGRESS_KEY` (the loop state's key in a checkpoint), and the strategy's
+    overrides of ``DeepSpeedStrategy._setup_model_and_optimizer`` / ``_initialize_deepspeed_inference`` /
+    ``_auto_select_batch_size`` (:func:`initialize_training_engine`, :func:`initialize_inference_engine`).
+DeepSpeed (0.19):
+    :func:`checkpoint_name_override` (``engine._get_ckpt_name``), :func:`link_hp_params`
+    (``optimizer._link_all_hp_params``), :func:`restore_from_bit16_override`
+    (``optimizer._restore_from_bit16_weights``), the ZeRO optimizer attributes :data:`ZERO12_STATE` /
+    :data:`ZERO3_STATE` that re-partitioning reads, and ZeRO-3's parameter attributes (:func:`is_zero3_gathered`,
+    :func:`is_zero3_released`, :func:`defer_zero3_gradient`).
+torch (2.13):
+    the private attention ops with log-sum-exp output the ring kernels call (:func:`cpu_flash_attention`,
+    :func:`cpu_flash_attention_backward`, :func:`efficient_attention`, :func:`efficient_attention_backward`).
+transformers (5.x):
+    ``config._attn_implementation`` (:func:`attention_implementation`, :func:`set_attention_implementation`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+# ============================================================================================== Lightning
+
+
+def attached_trainer(lightning_module: Any) -> Any:
+    """The Trainer a LightningModule is attached to, or ``None`` (``lightning_module.trainer`` raises instead)."""
+    return getattr(lightning_module, "_trainer", None) if lightning_module is not None else None
+
+
+def set_device_mesh(lightning_module: Any, mesh: Any) -> None:
+    """Make ``lightning_module.device_mesh`` return ``mesh`` (Lightning's ``ModelParallelStrategy`` sets the same
+    private attribute)."""
+    lightning_module._device_mesh = mesh
+
+
+def window_continues(trainer: Any) -> bool:
+    """Lightning's decision for the coming training micro-batch: ``True`` when it accumulates (no optimizer step after
+    it), ``False`` when it ends an accumulation window (every ``accumulate_grad_batches`` batches and at the end of
+    the epoch)."""
+    return bool(trainer.fit_loop._should_accumulate())
+
+
+def continue_epoch_at(trainer: Any, batch: int) -> None:
+    """A resume with another global batch continues the train epoch at ``batch`` of this run's batches: Lightning's
+    count of the epoch's batches (restored from the checkpoint in the saving run's batches) follows, so the epoch
+    ends with the loader. The saved counts' differences are kept (a save inside the batch's end hooks)."""
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = batch - current.ready
+    current.ready, current.started = current.ready + shift, current.started + shift
+    current.processed, current.completed = current.processed + shift, current.completed + shift
+
+
+def train_loader_of(trainer: Any) -> Optional[Any]:
+    """The train DataLoader the LightningModule or datamodule defines (before Lightning wraps it), or ``None``."""
+    source = trainer.fit_loop._data_source
+    return source.dataloader() if source.is_defined() else None
+
+
+def remove_module_hooks(model: torch.nn.Module) -> None:
+    """Lightning's clean-up of every module's hooks before its DeepSpeed inference engine."""
+    from lightning.pytorch.strategies.deepspeed import remove_module_hooks as lightning_remove_module_hooks
+
+    lightning_remove_module_hooks(model)
+
+
+BATCH_PROGRESS_KEY = "epoch_loop.batch_progress"  # the train epoch's batch progress in checkpoint["loops"]["fit_loop"]
+
+
+def device_rank(strategy: Any) -> int:
+    """The device rank DeepSpeed takes from its ``args``: Lightning passes ``root_device.index``, which is ``None`` on
+    CPU and breaks DeepSpeed's rank arithmetic; the local rank then."""
+    index = strategy.root_device.index
+    return strategy.local_rank if index is None else index
+
+
+def _deepspeed_args(strategy: Any) -> argparse.Namespace:
+    return argparse.Namespace(device_rank=device_rank(strategy))
+
+
+def initialize_training_engine(strategy: Any, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any,
+                               mpu: Any) -> tuple[Any, Any]:
+    """The body of Lightning's ``DeepSpeedStrategy._setup_model_and_optimizer`` with ``mpu`` added (DeepSpeed then
+    takes the data-parallel world for its batch arithmetic and reduces gradients over DP×SP) and the device rank
+    fixed for CPU."""
+    import deepspeed
+
+    model_parameters = filter(lambda p: p.requires_grad, model.parameters())
+    engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+        args=_deepspeed_args(strategy),
+        config=strategy.config,
+        model=model,
+        model_parameters=model_parameters,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        dist_init_required=False,
+        mpu=mpu,
+    )
+    return engine, deepspeed_optimizer
+
+
+def initialize_inference_engine(strategy: Any, model: torch.nn.Module, mpu: Any,
+                                after_hooks_removed: Callable[[], None]) -> Any:
+    """The body of Lightning's ``DeepSpeedStrategy._initialize_deepspeed_inference`` with ``mpu`` added;
+    ``after_hooks_removed()`` runs after Lightning's ``remove_module_hooks`` (the strategy installs its own
+    pre-hooks again there). Returns the engine."""
+    import deepspeed
+
+    config = strategy.config
+    inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+    for key in ("fp16", "bf16"):
+        if key in config:
+            inference_config[key] = config[key]
+    if strategy.zero_stage_3:
+        inference_config["zero_allow_untested_optimizer"] = config["zero_allow_untested_optimizer"]
+        inference_config["zero_optimization"] = config["zero_optimization"]
+    remove_module_hooks(model)
+    after_hooks_removed()
+    engine, _, _, _ = deepspeed.initialize(
+        args=_deepspeed_args(strategy),
+        config=inference_config,
+        model=model,
+        optimizer=None,
+        lr_scheduler=None,
+        model_parameters=[],
+        dist_init_required=False,
+        mpu=mpu,
+    )
+    return engine
+
+
+# ============================================================================================== DeepSpeed
+ZERO12_STATE = ("round_robin_bit16_groups", "round_robin_bit16_offsets", "round_robin_bit16_padding",
+                "single_partition_of_fp32_groups", "real_dp_process_group", "param_names", "optimizer")
+"""Attributes of DeepSpeed's ZeRO 1/2 optimizer that re-partitioning a checkpoint reads (resharding.py)."""
+ZERO3_STATE = ("fp16_groups", "fp16_partitioned_groups", "fp16_partitioned_groups_flat",
+               "fp32_partitioned_groups_flat", "dp_process_group", "param_names", "optimizer")
+"""Attributes of DeepSpeed's ZeRO 3 optimizer that re-partitioning a checkpoint reads (resharding.py)."""
+
+
+@contextmanager
+def checkpoint_name_override(engine: Any, name: Callable[..., str]) -> Iterator[None]:
+    """DeepSpeed's engine reads its model-states file names from ``engine._get_ckpt_name(path, tag, mp, pp)``:
+    ``name`` answers instead inside the block."""
+    engine._get_ckpt_name = name
+    try:
+        yield
+    finally:
+        del engine._get_ckpt_name
+
+
+def link_hp_params(zero_optimizer: Any) -> None:
+    """Re-link every parameter's fp32 master fragment after the ZeRO 1/2 masters were rewritten."""
+    zero_optimizer._link_all_hp_params()
+
+
+def set_fp32_param_groups(zero_optimizer: Any, set_them: bool) -> None:
+    """ZeRO 3: attach (``True``) or detach the fp32 partitions to the wrapped optimizer's param groups around
+    loading its state dict."""
+    if set_them:
+        zero_optimizer._set_fp32_optimizer_param_groups()
+    else:
+        zero_optimizer._clear_fp32_optimizer_param_groups()
+
+
+@contextmanager
+def restore_from_bit16_override(optimizer: Any, restore: Callable[[], None]) -> Iterator[None]:
+    """DeepSpeed's checkpoint loading ends with ``optimizer._restore_from_bit16_weights()``; an optimizer without it
+    (ZeRO-3's parameter-offload stand-in of an inference engine) runs ``restore`` there instead."""
+    optimizer._restore_from_bit16_weights = restore
+    try:
+        yield
+    finally:
+        del optimizer._restore_from_bit16_weights
+
+
+def has_restore_from_bit16(optimizer: Any) -> bool:
+    return hasattr(optimizer, "_restore_from_bit16_weights")
+
+
+def is_zero3_param(tensor: Any) -> bool:
+    return hasattr(tensor, "ds_id")
+
+
+def is_zero3_gathered(tensor: Any) -> bool:
+    """A ZeRO-3 parameter whose full data is present on this rank now."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return is_zero3_param(tensor) and tensor.ds_status == ZeroParamStatus.AVAILABLE
+
+
+def is_zero3_released(tensor: Any) -> bool:
+    """A ZeRO-3 parameter that holds only its partition on this rank now (a ``[0]`` placeholder as ``data``)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return is_zero3_param(tensor) and tensor.ds_status == ZeroParamStatus.NOT_AVAILABLE
+
+
+def zero3_numel(tensor: Any) -> int:
+    """Elements of a ZeRO-3 parameter's full tensor."""
+    return int(tensor.ds_numel)
+
+
+def defer_zero3_gradient(param: Any, ready: bool) -> None:
+    """ZeRO reduces a weight's gradient when autograd's hook fires unless ``ds_grad_is_ready`` is ``False``: a weight
+    whose gradient is accumulated over several partial backward passes (tiles) is reduced after the last one."""
+    param.ds_grad_is_ready = ready
+
+
+# ============================================================================================== torch
+def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        additive_mask: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, h, cq, D], lse [B, h, cq])`` of torch's CPU flash-attention op."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, attn_mask=additive_mask, scale=scale)
+    return out, lse
+
+
+def cpu_flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                                 additive_mask: Optional[torch.Tensor], scale: float
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of torch's CPU flash-attention op from the final ``out`` and ``lse``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+        0.0, causal, attn_mask=additive_mask, scale=scale)
+
+
+def efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+                        causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, h, cq, D], lse [B, h, ceil(cq/32)·32])`` of torch's CUDA memory-efficient attention op (its lse is
+    padded)."""
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), bias, True, 0.0, causal, scale=scale)
+    return out, lse
+
+
+def efficient_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 bias: Optional[torch.Tensor], out: torch.Tensor, padded_lse: torch.Tensor,
+                                 causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of torch's memory-efficient attention op (``padded_lse`` in the op's padded layout)."""
+    no_dropout = torch.zeros((), dtype=torch.long)  # philox seed and offset: unused without dropout
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), bias, out.contiguous(), padded_lse,
+        no_dropout, no_dropout, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
+
+
+# ============================================================================================== transformers
+def attention_implementation(config: Any) -> str:
+    """The attention implementation a transformers config dispatches to (``"sdpa"``, ``"flash_attention_2"``, ...)."""
+    return config._attn_implementation
+
+
+def set_attention_implementation(config: Any, name: str) -> None:
+    """Point a transformers config (and its sub-configs) at the attention function registered as ``name``; unlike
+    ``model.set_attn_implementation`` it takes any registered name and does not check the model class."""
+    config._attn_implementation = name
