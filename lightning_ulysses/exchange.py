@@ -12,6 +12,11 @@ heads, and KV heads travel as they are (replicated when ``Hkv < sp``). Otherwise
 expanded to one per query head so each rank holds the KV heads of its own query heads. The busiest rank then holds
 ``ceil(Hq / sp)`` heads: attention time and memory follow that rank, e.g. 6 heads at sp 4 cost 2/6 of the work on
 the busiest rank instead of the 1.5/6 an even split would.
+
+The sequence mixers (:mod:`lightning_ulysses.mixers`, :mod:`lightning_ulysses.mixer_heads`) exchange differently: an
+all-gather of the sequence shards before the mixer, a reduce-scatter of the ranks' partial outputs after it (each the
+other's backward), and an all-reduce for the few projections every rank needs whole. Those are the functions at the
+end of this module, the only place they are written.
 """
 
 from __future__ import annotations
@@ -157,3 +162,88 @@ def head_to_sequence_shards(
     send = attn_output.view(B, sp, s, hq, D).permute(1, 3, 0, 2, 4)  # [sp(dest = seq chunk), hq, B, s, D]
     received = all_to_all(send.reshape(sp * hq, B, s, D), [hq] * sp, list(counts), group)  # [Hq(src-major), B, s, D]
     return received.permute(1, 2, 0, 3)  # [B, s, Hq, D]
+
+
+# ----------------------------------------------------------------------------------------------- sequence mixers
+def all_gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[B, s, ...]`` shards of the SP group -> ``[B, sp·s, ...]``, rank-major along the sequence (not
+    differentiable; :func:`gather_sequence_differentiable` is)."""
+    sp = dist.get_world_size(group)
+    shard = shard.contiguous()
+    pieces = shard.new_empty((sp * shard.shape[0], *shard.shape[1:]))
+    dist.all_gather_into_tensor(pieces, shard, group=group)  # [sp·B, s, ...], rank-major
+    B, s = shard.shape[:2]
+    return pieces.view(sp, B, s, *shard.shape[2:]).transpose(0, 1).reshape(B, sp * s, *shard.shape[2:])
+
+
+def reduce_scatter_sequence_sum(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[B, S, ...]`` on every rank of the SP group -> this rank's ``[B, S/sp, ...]`` slice of their sum (not
+    differentiable; :func:`reduce_scatter_sequence` is)."""
+    sp = dist.get_world_size(group)
+    B, S = full.shape[:2]
+    s = S // sp
+    chunks = full.reshape(B, sp, s, *full.shape[2:]).transpose(0, 1).contiguous()  # [sp, B, s, ...]
+    out = full.new_empty((B, s, *full.shape[2:]))
+    dist.reduce_scatter_tensor(out, chunks.view(sp * B, s, *full.shape[2:]), group=group)  # [B, s, ...]: summed
+    return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: ``[B, s, ...]`` shards -> ``[B, S, ...]`` (all-gather); backward: the ``[B, S, ...]`` gradients of the
+    group summed, this rank's ``[B, s, ...]`` slice kept (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return all_gather_sequence(shard, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return reduce_scatter_sequence_sum(grad, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Forward: ``[B, S, ...]`` partial sums of the group -> this rank's ``[B, S/sp, ...]`` of their sum
+    (reduce-scatter); backward: the ``[B, s, ...]`` shard gradients -> ``[B, S, ...]`` (all-gather)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return reduce_scatter_sequence_sum(partial, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return all_gather_sequence(grad, ctx.group), None
+
+
+def gather_sequence_differentiable(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[B, s, ...]`` -> ``[B, S, ...]`` over the SP group, with the reduce-scatter as its backward."""
+    return _GatherSequence.apply(shard, group)
+
+
+def reduce_scatter_sequence(partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[B, S, ...]`` partial sums -> this rank's ``[B, S/sp, ...]`` of their sum, with the all-gather as its
+    backward."""
+    return _ReduceScatterSequence.apply(partial, group)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group (same shape in, same shape out); its backward is the same sum of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` summed over the group, differentiable (the gradient is summed over the group too)."""
+    return _AllReduceSum.apply(x, group)

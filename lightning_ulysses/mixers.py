@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses.context import StepContext
-from lightning_ulysses.mixer_heads import head_slicing, narrowed, reduce_scatter_sequence
+from lightning_ulysses.exchange import gather_sequence_differentiable, reduce_scatter_sequence
+from lightning_ulysses.mixer_heads import head_slicing, narrowed
 
 _ORIGINAL = "_ulysses_mixer_forward"
 _HIDDEN_NAMES = ("hidden_states", "input_states", "x")
@@ -67,42 +68,6 @@ def uncovered_sequence_convolutions(model: nn.Module, mixers: list[nn.Module]) -
             if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1 and id(module) not in covered]
 
 
-class _GatherSequence(torch.autograd.Function):
-    """``[B, s, ...]`` shards of the SP group -> ``[B, sp·s, ...]`` (rank-major along the sequence); backward: the
-    full gradient summed over the group, this rank's ``[B, s, ...]`` slice kept (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return all_gather_sequence(shard, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        group = ctx.group
-        sp = dist.get_world_size(group)
-        B, S = grad.shape[:2]
-        s = S // sp
-        chunks = grad.reshape(B, sp, s, *grad.shape[2:]).transpose(0, 1).contiguous()  # [sp, B, s, ...]
-        out = grad.new_empty((B, s, *grad.shape[2:]))
-        dist.reduce_scatter_tensor(out, chunks.view(sp * B, s, *grad.shape[2:]), group=group)  # sum over ranks
-        return out, None
-
-
-def all_gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[B, s, ...]`` shards of the SP group -> ``[B, sp·s, ...]`` (not differentiable)."""
-    sp = dist.get_world_size(group)
-    shard = shard.contiguous()
-    pieces = shard.new_empty((sp * shard.shape[0], *shard.shape[1:]))
-    dist.all_gather_into_tensor(pieces, shard, group=group)  # [sp·B, s, ...], rank-major
-    B, s = shard.shape[:2]
-    return pieces.view(sp, B, s, *shard.shape[2:]).transpose(0, 1).reshape(B, sp * s, *shard.shape[2:])
-
-
-def gather_sequence_differentiable(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[B, s, ...]`` -> ``[B, S, ...]`` over the SP group, with the reduce-scatter as its backward."""
-    return _GatherSequence.apply(shard, group)
-
-
 def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
     """Make ``module`` run on the whole sequence under SP (see the module docstring). Idempotent; undone by
     :func:`unwrap_sequence_mixer`."""
@@ -122,7 +87,7 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
         for name in _MASK_NAMES:  # a padding mask of the shard: right padding needs none (the mixers are causal)
             if isinstance(kwargs.get(name), torch.Tensor):
                 kwargs[name] = None
-        full = gather_sequence_differentiable(hidden, group)  # [B, S, H]
+        full = gather_sequence_differentiable(hidden, group)  # [B, s, H] -> [B, S, H] (backward: reduce-scatter)
         shard = context.shard_info
         rank, sp, s = dist.get_rank(group), dist.get_world_size(group), hidden.shape[1]
         if (rank, sp) not in recipes:
@@ -137,7 +102,7 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
                 partial = _per_document(run, full, shard.cu_seqlens) if shard.packed else run(full)  # [B, S, H]
             if isinstance(partial, tuple):
                 return (reduce_scatter_sequence(partial[0], group), *partial[1:])
-            return reduce_scatter_sequence(partial, group)  # [B, s, H]
+            return reduce_scatter_sequence(partial, group)  # [B, S, H] partial sums -> [B, s, H] (backward: all-gather)
         output = _per_document(run, full, shard.cu_seqlens) if shard.packed else run(full)
         return _own_slice(output, full.shape[:2], slice(rank * s, (rank + 1) * s))
 

@@ -1,5 +1,5 @@
 """One module per sequence-mixer family, each a head-parallel recipe: ``recipe(module, rank, size, group)`` returns
-the :class:`~lightning_ulysses.mixer_heads.HeadSlicing` that narrows ``module`` to the heads (or channels) of
+the :class:`~lightning_ulysses.head_slicing.HeadSlicing` that narrows ``module`` to the heads (or channels) of
 ``rank`` of an SP group of ``size``, or ``None`` if the module is not of its family (then the next one is asked; a
 mixer no family claims runs whole on every rank, exact but with its activations not divided).
 
@@ -18,7 +18,7 @@ from lightning_ulysses.mixer_families.lightning_attention import lightning_atten
 from lightning_ulysses.mixer_families.mamba1 import mamba1_slicing
 from lightning_ulysses.mixer_families.mamba2 import mamba2_slicing
 from lightning_ulysses.mixer_families.short_convolution import short_convolution_slicing
-from lightning_ulysses.mixer_heads import HeadSlicing
+from lightning_ulysses.head_slicing import HeadSlicing
 
 Recipe = Callable[[nn.Module, int, int, Any], Optional[HeadSlicing]]
 

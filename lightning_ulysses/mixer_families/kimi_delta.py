@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_ulysses.mixer_heads import HeadSlicing, share, span
+from lightning_ulysses.head_slicing import HeadSlicing, share, span
 
 
 def kimi_delta_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_ulysses.mixer_heads import HeadSlicing, _GatedNormAcrossRanks, share, span
+from lightning_ulysses.head_slicing import GatedNormAcrossRanks, HeadSlicing, share, span
 
 
 def lightning_attention_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
@@ -30,4 +30,4 @@ def lightning_attention_slicing(module: nn.Module, rank: int, size: int, group: 
         buffers={"slope_rate": (0, heads), "query_decay": (0, heads), "key_decay": (0, heads),
                  "diagonal_decay": (1, heads)},
         attributes={"num_attention_heads": each},
-        modules={"norm": _GatedNormAcrossRanks(norm, channels, nh * hd, group if size > 1 else None)})
+        modules={"norm": GatedNormAcrossRanks(norm, channels, nh * hd, group if size > 1 else None)})

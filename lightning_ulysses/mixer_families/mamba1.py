@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_ulysses.mixer_heads import HeadSlicing, share
+from lightning_ulysses.head_slicing import HeadSlicing, share
 
 
 def mamba1_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:

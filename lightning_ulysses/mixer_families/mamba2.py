@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_ulysses.mixer_heads import HeadSlicing, _GatedNormAcrossRanks, share, span
+from lightning_ulysses.head_slicing import GatedNormAcrossRanks, HeadSlicing, share, span
 
 
 def mamba2_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
@@ -44,7 +44,7 @@ def mamba2_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -
         disabled_functions=("mamba2_split_conv1d_scan_combined",))
     if not isinstance(norm, nn.Identity):
         spans_ranks = norm_width == d and size > 1
-        slicing.modules["norm"] = _GatedNormAcrossRanks(norm, x_idx, norm_width, group if spans_ranks else None)
+        slicing.modules["norm"] = GatedNormAcrossRanks(norm, x_idx, norm_width, group if spans_ranks else None)
     mup = getattr(module, "mup_vector", None)
     if isinstance(mup, torch.Tensor):  # Falcon-H1: [1, 1, projected features]
         slicing.buffers["mup_vector"] = (2, rows)
