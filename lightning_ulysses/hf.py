@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from lightning_ulysses import _compat
 from lightning_ulysses.calls import install_call_completion, remove_call_completion
 from lightning_ulysses.context import StepContext
 from lightning_ulysses.patches import replaced
@@ -66,12 +67,12 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
     if saved is None:
         config = model.config
         saved = _SavedModelState(
-            attn_implementation=config._attn_implementation,
+            attn_implementation=_compat.attention_implementation(config),
             use_cache=getattr(config, "use_cache", None),
             had_loss_function="_loss_function" in model.__dict__,
             loss_function=model.__dict__.get("_loss_function"),
         )
-        impl = config._attn_implementation
+        impl = _compat.attention_implementation(config)
         direct = [m for m in model.modules() if _calls_sdpa_directly(m)]
         if direct:
             # These call torch's SDPA themselves when the implementation is exactly "sdpa": keep the name and put
@@ -80,7 +81,7 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
                 module.__dict__["forward"] = _with_ulysses_sdpa(module, context)
             saved.direct_sdpa_modules = direct
         elif not impl.startswith(_PREFIX) and has_attention(model):
-            config._attn_implementation = _PREFIX + impl  # also sets the sub-configs
+            _compat.set_attention_implementation(config, _PREFIX + impl)  # also sets the sub-configs
         saved.mixers = sequence_mixers(model)
         for mixer in saved.mixers:
             wrap_sequence_mixer(mixer, context)
@@ -130,7 +131,7 @@ def restore_model(model: nn.Module) -> None:
     saved: Optional[_SavedModelState] = model.__dict__.pop(_SAVED_STATE, None)
     if saved is None:
         return
-    model.config._attn_implementation = saved.attn_implementation
+    _compat.set_attention_implementation(model.config, saved.attn_implementation)
     if saved.use_cache is not None:
         model.config.use_cache = saved.use_cache
     for module in saved.marked_modules:
@@ -168,8 +169,8 @@ def plain_mode(model: nn.Module, context: StepContext) -> Iterator[None]:
         yield
         return
     config = model.config
-    prepared_impl, prepared_cache = config._attn_implementation, getattr(config, "use_cache", None)
-    config._attn_implementation = saved.attn_implementation
+    prepared_impl, prepared_cache = _compat.attention_implementation(config), getattr(config, "use_cache", None)
+    _compat.set_attention_implementation(config, saved.attn_implementation)
     if saved.use_cache is not None:
         config.use_cache = saved.use_cache
     context.plain = True
@@ -177,7 +178,7 @@ def plain_mode(model: nn.Module, context: StepContext) -> Iterator[None]:
         yield
     finally:
         context.plain = False
-        config._attn_implementation = prepared_impl
+        _compat.set_attention_implementation(config, prepared_impl)
         if prepared_cache is not None:
             config.use_cache = prepared_cache
 

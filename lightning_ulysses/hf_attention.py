@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo, StepContext
 from lightning_ulysses.exchange import head_to_sequence_shards, sequence_to_head_shards
 from lightning_ulysses.ring import causal_window_mask, document_ids, ring_attention
@@ -47,7 +48,7 @@ class _LocalHeadsView:
 
 def attention_implementation(model: nn.Module) -> str:
     """The model's attention implementation without the Ulysses prefix (``sdpa``, ``flash_attention_2``, ...)."""
-    impl = model.config._attn_implementation
+    impl = _compat.attention_implementation(model.config)
     return impl[len(_PREFIX):] if impl.startswith(_PREFIX) else impl
 
 
@@ -164,7 +165,7 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         if context is None:
             raise RuntimeError(
                 f"{type(module).__name__} runs Ulysses attention but was not prepared by UlyssesDeepSpeedStrategy"
-                f" (config._attn_implementation={module.config._attn_implementation!r})."
+                f" (config._attn_implementation={_compat.attention_implementation(module.config)!r})."
             )
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -1,13 +1,14 @@
 """The layers the strategy adds to a DataLoader Lightning prepared, in one place and one order.
 
-Each layer is a mixin: the loader (same sampler, collate, workers, state) is copied into an instance of a subclass
-with the mixin in front (:func:`_with_layer`; the object Lightning handed over is not changed by it). From the inside
-out (:func:`prepare_loader`):
+Each layer is a wrapper object around the loader (or around the next layer): it iterates its inner loader and adds
+one thing; any other attribute (``sampler``, ``dataset``, ``batch_size``, ...) and ``len()`` are the inner loader's.
+The DataLoader object Lightning handed over is not changed by them (its collate function is, and
+:func:`restore_loader` gives it back in teardown). From the inside out (:func:`prepare_loader`):
 
-1. **accumulation window** (train, ``accumulate_grad_batches > 1``): reads one gradient-accumulation window ahead
-   and gives each batch's :class:`~lightning_ulysses.context.ShardInfo` the target-token count of its window;
-2. **resume position** (train): knows how many batches of which epoch it handed out; on ``fit(ckpt_path=...)``
+1. **resume position** (train): knows how many batches of which epoch it handed out; on ``fit(ckpt_path=...)``
    skips exactly those (at the index level: no skipped sample is loaded), also when the global batch changed;
+2. **accumulation window** (train, ``accumulate_grad_batches > 1``): reads one gradient-accumulation window ahead
+   and gives each batch's :class:`~lightning_ulysses.context.ShardInfo` the target-token count of its window;
 3. **step state** (every loader, outermost): takes each batch's ``ShardInfo`` out of the batch as it leaves the
    loader and queues it for its step; calls the end-of-data check when the loader is exhausted.
 
@@ -16,36 +17,36 @@ The sequence-sharding collate step itself is :func:`lightning_ulysses.data.insta
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo
 from lightning_ulysses.data import SHIFT_LABELS
 from lightning_ulysses.loss import IGNORE_INDEX
 
 
-
 def prepare_loader(dataloader: Any, queue: "ShardInfoQueue", *, train: bool, accumulation: int = 1,
                    epoch_batches: Callable[[], float] = lambda: float("inf"),
                    on_position_change: Optional[Callable[[int], None]] = None,
-                   on_exhausted: Optional[Callable[[], None]] = None) -> Any:
-    """The strategy's layers on ``dataloader``, in their one order (see the module docstring)."""
-    if train and accumulation > 1:
-        dataloader = _with_layer(dataloader, _AccumulationWindowMixin, _ulysses_window=accumulation,
-                                 _ulysses_epoch_batches=epoch_batches)
+                   on_exhausted: Optional[Callable[[], None]] = None) -> "LoaderLayer":
+    """The strategy's layers around ``dataloader``, in their one order (see the module docstring)."""
+    skipped: Callable[[], int] = lambda: 0  # noqa: E731
     if train:
         dataloader = install_resumable_loader(dataloader, on_position_change)
-    return _with_layer(dataloader, _StepStateMixin, _ulysses_queue=queue, _ulysses_on_exhausted=on_exhausted,
-                       _ulysses_iterations=set())
+        if isinstance(dataloader, ResumePosition):
+            skipped = dataloader.skipped_this_epoch
+    if train and accumulation > 1:
+        dataloader = AccumulationWindow(dataloader, accumulation, epoch_batches, skipped)
+    return StepState(dataloader, queue, on_exhausted)
 
 
 def restore_loader(dataloader: Any) -> None:
-    """Give the loader object the strategy was handed back its own collate function (the one mutation made on an
-    object the strategy did not create: it may be the user's own DataLoader). The layered copies
-    :func:`prepare_loader` returned are the strategy's and keep their layers."""
+    """Give the loader object the strategy was handed back its own collate function (the one change made to an
+    object the strategy did not create: it may be the user's own DataLoader)."""
     from lightning_ulysses.data import SequenceShardingCollate
 
     collate = getattr(dataloader, "collate_fn", None)
@@ -53,64 +54,52 @@ def restore_loader(dataloader: Any) -> None:
         dataloader.collate_fn = collate.collate_fn
 
 
-def _with_layer(dataloader: Any, mixin: type, **state: Any) -> Any:
-    """``dataloader`` as an instance of a subclass with ``mixin`` in front (a copy sharing its state; the original
-    object is left alone), with ``state`` in its ``__dict__``; a loader that has the layer already gets the state."""
-    cls = type(dataloader)
-    if not issubclass(cls, mixin):
-        layered_cls = type(f"{mixin.__name__.strip('_').replace('Mixin', '')}{cls.__name__}", (mixin, cls), {})
-        layered = layered_cls.__new__(layered_cls)
-        layered.__dict__.update(dataloader.__dict__)
-        dataloader = layered
-    dataloader.__dict__.update(state)
-    return dataloader
+class LoaderLayer:
+    """A wrapper around ``inner`` (a DataLoader or another layer) that adds one thing to its iteration; every other
+    attribute, read or set, and ``len()`` are the inner loader's (Lightning sets sampler epochs and reads batch sizes
+    through them)."""
 
+    _own: tuple[str, ...] = ("inner",)
 
-# ----------------------------------------------------------------------------------------------- accumulation window
-class _AccumulationWindowMixin:
-    """Adds look-ahead to a DataLoader: batches are read one gradient-accumulation window at a time, and each batch's
-    :class:`ShardInfo` gets this rank's count of target tokens over its whole window, so the loss can weight every
-    token of the window equally, as one larger batch would.
+    def __init__(self, inner: Any) -> None:
+        object.__setattr__(self, "inner", inner)
 
-    Windows are Lightning's: every epoch starts a window, one ends every ``steps`` batches and at the end of the
-    epoch (the batches Lightning takes: ``epoch_batches()``, with ``limit_train_batches`` applied). A resumed epoch
-    (the resumable loader sets ``_ulysses_skip``) continues the window its first batch belongs to."""
+    def __getattr__(self, name: str) -> Any:  # only for names the layer does not have itself
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
-    _ulysses_window: int = 1
-    _ulysses_epoch_batches: Callable[[], float] = staticmethod(lambda: float("inf"))
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._own:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
 
-    def __iter__(self):
-        iterator = super().__iter__()  # type: ignore[misc]
-        skipped = int(self.__dict__.get("_ulysses_skip", 0))  # batches of this epoch already trained (resume)
-        remaining = self._ulysses_epoch_batches() - skipped
-        size = self._ulysses_window - skipped % self._ulysses_window
-        while remaining > 0:
-            window = [batch for _, batch in zip(range(int(min(size, remaining))), iterator)]
-            if not window:
-                return
-            remaining -= len(window)
-            tokens = sum((b[SHIFT_LABELS] != IGNORE_INDEX).sum() for b in window if SHIFT_LABELS in b)
-            for batch in window:
-                if SHARD_INFO_KEY in batch:
-                    batch[SHARD_INFO_KEY].window_tokens = torch.as_tensor(tokens)
-                yield batch
-            size = self._ulysses_window
-        yield from iterator  # past Lightning's epoch length: not trained (Lightning stops first)
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    @property
+    def dataloader(self) -> Any:
+        """The DataLoader inside all layers."""
+        inner = self.inner
+        return inner.dataloader if isinstance(inner, LoaderLayer) else inner
+
+    def __iter__(self) -> Iterator[Any]:
+        raise NotImplementedError
 
 
 # ----------------------------------------------------------------------------------------------- resume position
 class _SkipFirst:
-    """A batch sampler without its first ``skip`` batches (their indices are never handed to the dataset), once: a
-    DataLoader iterator with persistent workers keeps this object and iterates it again every epoch."""
+    """A batch sampler (or sampler) without its first ``skip`` entries (their indices are never handed to the
+    dataset)."""
 
     def __init__(self, batch_sampler: Any, skip: int) -> None:
         self.batch_sampler = batch_sampler
         self.skip = skip
 
     def __iter__(self) -> Iterator[Any]:
-        skip, self.skip = self.skip, 0
         iterator = iter(self.batch_sampler)
-        for _ in range(skip):
+        for _ in range(self.skip):
             if next(iterator, None) is None:
                 return
         yield from iterator
@@ -129,29 +118,67 @@ def _sampler_epoch(loader: Any) -> Optional[int]:
 def _global_batch(loader: Any) -> Optional[int]:
     """Samples per step over all replicas: the loader's batch size × the sampler's number of replicas."""
     batch_size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size",
-                                                                 None)
+                                                                None)
     if batch_size is None:
         return None
     sampler = getattr(loader, "sampler", None)
     return int(batch_size) * int(getattr(sampler, "num_replicas", 1))
 
 
-class ResumableLoaderMixin:
+def skipping_loader(loader: DataLoader, skip: int) -> DataLoader:
+    """A DataLoader over the same data, batches, collate function and workers as ``loader`` without its first
+    ``skip`` batches (for one resumed epoch; the skipped samples are never loaded). A DataLoader subclass runs this
+    epoch as a plain DataLoader with its dataset, batch sampler and settings."""
+    batched = loader.batch_sampler is not None
+    order = _SkipFirst(loader.batch_sampler if batched else loader.sampler, skip)
+    workers = loader.num_workers
+    return DataLoader(
+        loader.dataset,
+        batch_size=1 if batched else None,  # 1: DataLoader's default, required next to a batch sampler
+        sampler=None if batched else order,
+        batch_sampler=order if batched else None,
+        num_workers=workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context if workers else None,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if workers else None,
+        persistent_workers=False,
+        pin_memory_device=loader.pin_memory_device,
+        in_order=loader.in_order,
+    )
+
+
+class ResumePosition(LoaderLayer):
     """A train DataLoader that knows its position: ``state_dict()`` gives the epoch (its sampler's) and the number of
     batches handed out in it; after ``load_state_dict()``, the next iteration of *that* epoch skips those batches.
 
     Lightning saves the state of such ("stateful") loaders in the checkpoint and loads it on resume before iterating.
-    The first batches are skipped in the batch sampler, so their samples are never loaded. A checkpoint saved at the
-    end of an epoch resumes with the next epoch, unskipped.
+    The resumed epoch runs on :func:`skipping_loader`, so the skipped samples are never loaded. A checkpoint saved at
+    the end of an epoch resumes with the next epoch, unskipped.
     """
 
+    _own = ("inner", "position", "resume", "skipped", "on_position_change")
+
+    def __init__(self, inner: DataLoader, on_position_change: Optional[Callable[[int], None]] = None) -> None:
+        super().__init__(inner)
+        self.position: tuple[Optional[int], int] = (None, 0)  # (epoch, batches handed out in it)
+        self.resume: Optional[dict[str, Any]] = None
+        self.skipped = 0  # batches of the current epoch skipped at its start (resume)
+        self.on_position_change = on_position_change
+
+    def skipped_this_epoch(self) -> int:
+        return self.skipped
+
     def state_dict(self) -> dict[str, Any]:
-        epoch, batches = self.__dict__.get("_ulysses_position", (None, 0))
-        return {"epoch": epoch, "batches": batches, "global_batch": _global_batch(self)}
+        epoch, batches = self.position
+        return {"epoch": epoch, "batches": batches, "global_batch": _global_batch(self.inner)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        saved, current = state.get("global_batch"), _global_batch(self)
+        saved, current = state.get("global_batch"), _global_batch(self.inner)
         if state.get("batches") and saved is not None and current is not None and saved != current:
             # The epoch's order is one shuffled permutation consumed `global batch` samples per step whatever dp is,
             # so the position is a number of samples: continue at the last step boundary of this run at or before it.
@@ -168,54 +195,79 @@ class ResumableLoaderMixin:
                 + ". The steps from here are not those of the uninterrupted run (another global batch); keep"
                 " micro-batch × dp the same for an exact continuation."
             )
-            on_change = self.__dict__.get("_ulysses_on_position_change")
-            if on_change is not None:
-                on_change(state["batches"])
-        self.__dict__["_ulysses_resume"] = state
+            if self.on_position_change is not None:
+                self.on_position_change(state["batches"])
+        self.resume = state
 
     def __iter__(self) -> Iterator[Any]:
         # A generator: this body runs at the first next(), after Lightning has set the sampler's epoch.
-        epoch = _sampler_epoch(self)
-        resume = self.__dict__.pop("_ulysses_resume", None)
+        epoch = _sampler_epoch(self.inner)
+        resume, self.resume = self.resume, None
         skip = 0
         if resume and resume.get("batches") and resume.get("epoch") == epoch:
             skip = int(resume["batches"])
-            if skip >= len(self):  # type: ignore[arg-type]
+            if skip >= len(self.inner):
                 skip = 0  # the epoch was complete: Lightning has moved on to the next one
-        self.__dict__["_ulysses_skip"] = skip
-        try:
-            iterator = super().__iter__()  # type: ignore[misc]
-            first = next(iterator, _END)  # the DataLoader's iterator reads _index_sampler when it starts
-        finally:
-            self.__dict__["_ulysses_skip"] = 0
+        self.skipped = skip
         position = skip
-        while first is not _END:
+        for batch in (skipping_loader(self.inner, skip) if skip else self.inner):
             position += 1
-            self.__dict__["_ulysses_position"] = (epoch, position)
-            yield first
-            first = next(iterator, _END)
-
-    @property
-    def _index_sampler(self) -> Any:
-        sampler = super()._index_sampler  # type: ignore[misc]
-        skip = self.__dict__.get("_ulysses_skip", 0)
-        return _SkipFirst(sampler, skip) if skip else sampler
-
-
-_END = object()
+            self.position = (epoch, position)
+            yield batch
 
 
 def install_resumable_loader(dataloader: Any, on_position_change: Optional[Callable[[int], None]] = None) -> Any:
-    """The same train DataLoader as an instance of a subclass with :class:`ResumableLoaderMixin`; loaders over an
-    ``IterableDataset`` (no index to skip to) are returned unchanged. ``on_position_change(batch)``: called when a
-    resume with another global batch continues the epoch at ``batch`` (the strategy aligns Lightning's count of the
-    epoch's batches with it)."""
-    from torch.utils.data import IterableDataset
-
+    """The train DataLoader inside a :class:`ResumePosition` layer; loaders over an ``IterableDataset`` (no index to
+    skip to) are returned unchanged. ``on_position_change(batch)``: called when a resume with another global batch
+    continues the epoch at ``batch`` (the strategy aligns Lightning's count of the epoch's batches with it)."""
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
         return dataloader
-    state = {} if on_position_change is None else {"_ulysses_on_position_change": on_position_change}
-    return _with_layer(dataloader, ResumableLoaderMixin, **state)
+    return ResumePosition(dataloader, on_position_change)
+
+
+# ----------------------------------------------------------------------------------------------- accumulation window
+class AccumulationWindow(LoaderLayer):
+    """Adds look-ahead: batches are read one gradient-accumulation window at a time, and each batch's
+    :class:`ShardInfo` gets this rank's count of target tokens over its whole window, so the loss can weight every
+    token of the window equally, as one larger batch would.
+
+    Windows are Lightning's: every epoch starts a window, one ends every ``window`` batches and at the end of the
+    epoch (the batches Lightning takes: ``epoch_batches()``, with ``limit_train_batches`` applied). A resumed epoch
+    (``skipped()`` batches skipped at its start) continues the window its first batch belongs to."""
+
+    _own = ("inner", "window", "epoch_batches", "skipped")
+
+    def __init__(self, inner: Any, window: int, epoch_batches: Callable[[], float],
+                 skipped: Callable[[], int]) -> None:
+        super().__init__(inner)
+        self.window = window
+        self.epoch_batches = epoch_batches
+        self.skipped = skipped
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.inner)
+        first = next(iterator, _END)  # the resume layer knows what it skipped once its iteration has begun
+        if first is _END:
+            return
+        iterator = itertools.chain([first], iterator)
+        skipped = self.skipped()
+        remaining = self.epoch_batches() - skipped
+        size = self.window - skipped % self.window
+        while remaining > 0:
+            window = [batch for _, batch in zip(range(int(min(size, remaining))), iterator)]
+            if not window:
+                return
+            remaining -= len(window)
+            tokens = sum((b[SHIFT_LABELS] != IGNORE_INDEX).sum() for b in window if SHIFT_LABELS in b)
+            for batch in window:
+                if SHARD_INFO_KEY in batch:
+                    batch[SHARD_INFO_KEY].window_tokens = torch.as_tensor(tokens)
+                yield batch
+            size = self.window
+        yield from iterator  # past Lightning's epoch length: not trained (Lightning stops first)
+
+
+_END = object()
 
 
 # ----------------------------------------------------------------------------------------------- step state
@@ -244,27 +296,30 @@ class ShardInfoQueue:
         return len(self._entries)
 
 
-class _StepStateMixin:
+class StepState(LoaderLayer):
     """Outermost layer of a prepared DataLoader: takes each batch's :class:`ShardInfo` out of the batch as it leaves
     the loader (before Lightning's or the user's hooks can drop or trip over it) and queues it for the step; when the
     loader is exhausted it calls ``on_exhausted`` (the SP-peer end-of-data check)."""
 
-    _ulysses_queue: ShardInfoQueue
-    _ulysses_on_exhausted: Optional[Callable[[], None]] = None
+    _own = ("inner", "queue", "on_exhausted", "iterations")
 
-    def __iter__(self):
-        queue = self._ulysses_queue
-        previous = self.__dict__.setdefault("_ulysses_iterations", set())
-        queue.drop(previous)
+    def __init__(self, inner: Any, queue: ShardInfoQueue, on_exhausted: Optional[Callable[[], None]] = None) -> None:
+        super().__init__(inner)
+        self.queue = queue
+        self.on_exhausted = on_exhausted
+        self.iterations: set = set()  # this loader's iterations whose entries the queue may still hold
+
+    def __iter__(self) -> Iterator[Any]:
+        self.queue.drop(self.iterations)
         iteration = object()
-        previous.add(iteration)
-        for batch in super().__iter__():  # type: ignore[misc]
+        self.iterations.add(iteration)
+        for batch in self.inner:
             if not isinstance(batch, dict) or SHARD_INFO_KEY not in batch:
                 raise RuntimeError(
                     "A batch left the DataLoader without the strategy's sequence-sharding step (its collate_fn was"
                     f" replaced after Lightning prepared the loader?): got {type(batch).__name__}."
                 )
-            queue.push(iteration, batch.pop(SHARD_INFO_KEY))
+            self.queue.push(iteration, batch.pop(SHARD_INFO_KEY))
             yield batch
-        if self._ulysses_on_exhausted is not None:
-            self._ulysses_on_exhausted()
+        if self.on_exhausted is not None:
+            self.on_exhausted()

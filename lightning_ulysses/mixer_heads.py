@@ -36,6 +36,7 @@ from torch import nn
 from lightning_ulysses.exchange import all_reduce_sum
 from lightning_ulysses.head_slicing import HeadSlicing
 from lightning_ulysses.mixer_families import FAMILIES
+from lightning_ulysses.patches import replaced
 
 
 def head_slicing(module: nn.Module, rank: int, size: int, group: Any = None,
@@ -172,20 +173,18 @@ def _narrowed_here(module: nn.Module, slicing: HeadSlicing, rank: int) -> Iterat
     shadows.update(slicing.modules)
     saved_attributes = {name: module.__dict__[name] for name in slicing.attributes}
     modeling = sys.modules.get(type(module).__module__)
-    saved_functions = {name: getattr(modeling, name) for name in slicing.disabled_functions
-                       if hasattr(modeling, name)}
-    try:
-        module.__dict__.update(shadows)
-        module.__dict__.update(slicing.attributes)
-        for name in saved_functions:
-            setattr(modeling, name, _returns_none)
-        yield
-    finally:
-        for name in shadows:
-            module.__dict__.pop(name, None)
-        module.__dict__.update(saved_attributes)
-        for name, function in saved_functions.items():
-            setattr(modeling, name, function)
+    disabled = [name for name in slicing.disabled_functions if hasattr(modeling, name)]
+    with ExitStack() as stack:
+        try:
+            module.__dict__.update(shadows)
+            module.__dict__.update(slicing.attributes)
+            for name in disabled:  # fused kernels of the modeling module that would run on the whole channels
+                stack.enter_context(replaced(modeling, name, _returns_none, f"{modeling.__name__}.{name}"))
+            yield
+        finally:
+            for name in shadows:
+                module.__dict__.pop(name, None)
+            module.__dict__.update(saved_attributes)
 
 
 def _returns_none(*args: Any, **kwargs: Any) -> None:

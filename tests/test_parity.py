@@ -11,6 +11,7 @@ import torch
 
 from tests.support.launcher import launch
 from tests.support.models import TokenDataset, build_llama, tiny_llama_config, train_single_device
+from tests.support.training import FitSpec
 
 SEQ_LEN = 32
 STEPS = 4
@@ -20,9 +21,9 @@ STAGES = (0, 1, 2, 3)
 KV_HEADS = {"MHA": 4, "GQA": 2, "MQA": 1}
 
 
-def _run(stage: int, kv_heads: int, sp_size: int, batch_size: int, num_rows: int, **options) -> dict:
-    return dict(stage=stage, kv_heads=kv_heads, sp_size=sp_size, batch_size=batch_size, steps=STEPS,
-                seq_len=SEQ_LEN, num_rows=num_rows, lr=LR, **options)
+def _run(stage: int, kv_heads: int, sp_size: int, batch_size: int, num_rows: int, **options) -> FitSpec:
+    return FitSpec(stage=stage, kv_heads=kv_heads, sp_size=sp_size, batch_size=batch_size, steps=STEPS,
+                   seq_len=SEQ_LEN, num_rows=num_rows, lr=LR, **options)
 
 
 SP2_RUNS = [_run(stage, kv, sp_size=2, batch_size=1, num_rows=STEPS) for stage in STAGES for kv in KV_HEADS.values()]
@@ -66,13 +67,13 @@ def update_rel_diff(weights: dict, reference: dict, initial: dict) -> float:
     return (num / den).sqrt().item()
 
 
-def check_against_reference(run: dict, results: list[dict], global_batch: int) -> None:
-    config = tiny_llama_config(num_kv_heads=run["kv_heads"], num_heads=run.get("num_heads", 4))
-    dataset = TokenDataset(run["num_rows"], SEQ_LEN, ignore_after=run.get("ignore_after"))
-    clip = run.get("trainer", {}).get("gradient_clip_val")
+def check_against_reference(run: FitSpec, results: list[dict], global_batch: int) -> None:
+    config = tiny_llama_config(num_kv_heads=run.kv_heads, num_heads=run.num_heads)
+    dataset = TokenDataset(run.num_rows, SEQ_LEN, ignore_after=run.ignore_after)
+    clip = run.trainer.get("gradient_clip_val")
     reference = train_single_device(config, dataset, global_batch, STEPS, LR, clip_norm=clip)
     initial = dict(build_llama(config).named_parameters())
-    sp = run["sp_size"]
+    sp = run.sp_size
     for rank, result in enumerate(results):
         assert len(result["losses"]) == STEPS
         # SP peers return the same full-sequence loss (not their shard's).
@@ -87,8 +88,8 @@ def check_against_reference(run: dict, results: list[dict], global_batch: int) -
 
 
 @pytest.mark.parametrize("index", range(len(SP2_RUNS)),
-                         ids=[f"zero{r['stage']}-{k}" for r in SP2_RUNS for k, v in KV_HEADS.items()
-                              if v == r["kv_heads"]])
+                         ids=[f"zero{r.stage}-{k}" for r in SP2_RUNS for k, v in KV_HEADS.items()
+                              if v == r.kv_heads])
 def test_sp2_matches_single_device(sp2_results, index):
     run = SP2_RUNS[index]
     check_against_reference(run, [rank["runs"][index] for rank in sp2_results], global_batch=1)
@@ -100,7 +101,7 @@ def test_own_loss_helper_and_empty_shards_match_single_device(variant_results, n
     check_against_reference(VARIANT_RUNS[name], [rank["runs"][index] for rank in variant_results], global_batch=1)
 
 
-@pytest.mark.parametrize("index", range(len(DP2_SP2_RUNS)), ids=[f"zero{r['stage']}" for r in DP2_SP2_RUNS])
+@pytest.mark.parametrize("index", range(len(DP2_SP2_RUNS)), ids=[f"zero{r.stage}" for r in DP2_SP2_RUNS])
 def test_dp2_sp2_matches_single_device_with_global_batch(dp2_sp2_results, index):
     run = DP2_SP2_RUNS[index]
     check_against_reference(run, [rank["runs"][index] for rank in dp2_sp2_results], global_batch=2 * 2)

@@ -58,7 +58,7 @@ def _environment(trainer) -> dict[str, Any]:
 
 
 def fit_runs(payload: dict) -> dict:
-    """SGD fits, each a dict of tests/test_parity.py's ``_run`` form plus ``trainer`` kwargs (devices, num_nodes);
+    """SGD fits, each a :class:`~tests.support.training.FitSpec` (``trainer``: devices, num_nodes);
     the parity scenario's record plus the launch environment and the warnings raised."""
     results = []
     for run in payload["runs"]:

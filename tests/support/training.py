@@ -5,7 +5,8 @@ starts and return plain data for the test process to compare."""
 from __future__ import annotations
 
 import os
-
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -103,18 +104,44 @@ def make_trainer(strategy, max_steps: int, callbacks=(), **kwargs) -> Trainer:
     return Trainer(**defaults)
 
 
-def fit_one(run: dict) -> tuple[dict, Trainer]:
-    """One SGD fit described by a dict (stage, kv_heads, batch_size, steps, seq_len, sp_size, ...); what each rank
-    saw, and the Trainer for callers that record more."""
+@dataclass(frozen=True)
+class FitSpec:
+    """One SGD fit of the tiny Llama (:func:`fit_one`).
+
+    Attributes:
+        stage: ZeRO stage. kv_heads / num_heads: the attention's heads. sp_size: ranks per SP group.
+        batch_size: rows per micro-batch. steps: optimizer steps. seq_len / num_rows: the token dataset.
+        lr: SGD learning rate. attn: attention implementation. ignore_after: positions past it carry no target.
+        own_loss: the training step computes its loss with ``strategy.cross_entropy`` from logits.
+        strategy / trainer: further keyword arguments of the strategy and the Trainer.
+    """
+
+    stage: int
+    kv_heads: int
+    sp_size: int
+    batch_size: int
+    steps: int
+    seq_len: int
+    num_rows: int
+    lr: float
+    num_heads: int = 4
+    attn: str = "sdpa"
+    ignore_after: Optional[int] = None
+    own_loss: bool = False
+    strategy: dict = field(default_factory=dict)
+    trainer: dict = field(default_factory=dict)
+
+
+def fit_one(run: FitSpec) -> tuple[dict, Trainer]:
+    """One SGD fit; what each rank saw, and the Trainer for callers that record more."""
     seed_everything(SEED, verbose=False)
-    config = tiny_llama_config(num_kv_heads=run["kv_heads"], num_heads=run.get("num_heads", 4),
-                               attn=run.get("attn", "sdpa"))
-    dataset = TokenDataset(run["num_rows"], run["seq_len"], ignore_after=run.get("ignore_after"))
-    module_class = OwnLossCausalLM if run.get("own_loss") else CausalLM
-    module = module_class(config, lr=run["lr"], dataset=dataset, batch_size=run["batch_size"])
+    config = tiny_llama_config(num_kv_heads=run.kv_heads, num_heads=run.num_heads, attn=run.attn)
+    dataset = TokenDataset(run.num_rows, run.seq_len, ignore_after=run.ignore_after)
+    module_class = OwnLossCausalLM if run.own_loss else CausalLM
+    module = module_class(config, lr=run.lr, dataset=dataset, batch_size=run.batch_size)
     recorder = Recorder()
-    strategy = UlyssesDeepSpeedStrategy(sp_size=run["sp_size"], stage=run["stage"], **run.get("strategy", {}))
-    trainer = make_trainer(strategy, run["steps"], callbacks=[recorder], **run.get("trainer", {}))
+    strategy = UlyssesDeepSpeedStrategy(sp_size=run.sp_size, stage=run.stage, **run.strategy)
+    trainer = make_trainer(strategy, run.steps, callbacks=[recorder], **run.trainer)
     with AttentionShapeSpy() as spy:
         trainer.fit(module)
     return {
