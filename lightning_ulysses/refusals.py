@@ -1,20 +1,40 @@
 """What a Hugging Face model must be to train under SP, checked before any compute: a supported attention
 implementation, heads that split over the Ulysses ranks, and no way of mixing the sequence that the strategy cannot
-make exact (unrecognised sequence mixers, attention outside transformers' interface, ALiBi, learned mask biases,
-indexed attention, an auxiliary loss computed per shard). Every refusal is a ``ValueError`` that says why and what
-to change.
+make exact. Every refusal is a ``ValueError`` that says why and what to change.
+
+Sequence mixers other than attention are not refused as such: :mod:`lightning_ulysses.mixers` finds them by
+structure (an ``A_log`` parameter, a depthwise convolution over the sequence, lightning attention's decay buffer) and
+runs them on the whole sequence, split by heads by the families of :mod:`lightning_ulysses.mixer_families` (gated
+delta nets, Kimi's delta attention, Mamba2 and Mamba1 mixers, lightning attention, short convolutions) or whole on
+every rank. Refused are:
+
+* a layer that mixes the sequence but that structure does not find (a class named like a mixer, a layer kind other
+  than attention in the config, a convolution over the sequence outside every found mixer);
+* attention modules that compute attention themselves instead of through transformers' attention interface, unless
+  they call torch's SDPA and the model runs with ``attn_implementation='sdpa'`` (the strategy then puts the exchange
+  around those calls, :mod:`lightning_ulysses.hf`); with ALiBi biases even then;
+* model types whose attention takes inputs the exchange cannot shard (:data:`_KNOWN_UNSHARDABLE`: learned mask
+  biases, indexed attention);
+* an MoE router loss that transformers would compute from this rank's tokens only (one that
+  :mod:`lightning_ulysses.moe` does not make exact).
+
+How a model is classified never depends on reading the source of its forward (a wrapped or compiled forward would
+hide it): attention modules are found by class name (``...Attention``, ``...Attention2``), and what they do is decided
+by their modeling module, their structure and two explicit tables (:func:`_attention_kind`); the router loss by the
+config and the names the modeling module defines (:func:`_router_loss_per_shard`).
 """
 
 from __future__ import annotations
 
-import functools
 import re
+import sys
+from types import ModuleType
 from typing import Any, Iterator, Optional
 
 from torch import nn
 
 from lightning_ulysses.hf_attention import _PREFIX, SUPPORTED_ATTENTION, attention_implementation
-from lightning_ulysses.mixers import find_sequence_mixers, uncovered_sequence_convolutions
+from lightning_ulysses.mixers import find_sequence_mixers, is_sequence_mixer, uncovered_sequence_convolutions
 from lightning_ulysses.moe import has_load_balancing_loss
 
 def _configs(model: nn.Module) -> Iterator[Any]:
@@ -115,22 +135,20 @@ def sequence_mixers(model: nn.Module) -> list[nn.Module]:
 
 def _uses_attention_interface(module: nn.Module) -> bool:
     """An attention module that the Ulysses exchange serves (through transformers' interface or direct SDPA)."""
-    if not re.search(r"Attention\d*$", type(module).__name__):
-        return False
-    source = _forward_source(module) or ""
-    return ("ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
-            or "scaled_dot_product_attention(" in source)
+    return _attention_kind(module) in ("interface", "sdpa")
 
 
 def refuse_unsupported_architecture(model: nn.Module) -> None:
     """Raise a ``ValueError`` (before compute) for architectures whose training under SP would be silently wrong:
 
-    * layers that mix the sequence without attention (linear attention, gated delta nets, Mamba/SSM, convolutions
-      over the sequence): under SP they would see only the rank's shard;
-    * attention modules that call SDPA themselves instead of transformers' attention interface (their attention
-      would skip the exchange);
-    * the MoE router's auxiliary load-balancing loss (``output_router_logits=True``), which transformers computes
-      from this rank's tokens only.
+    * layers that mix the sequence in a way :mod:`lightning_ulysses.mixers` does not find (see the module
+      docstring): under SP they would see only the rank's shard;
+    * attention modules that compute attention themselves instead of through transformers' attention interface
+      (their attention would skip the exchange), unless they call torch's SDPA under ``attn_implementation='sdpa'``
+      without ALiBi;
+    * model types in :data:`_KNOWN_UNSHARDABLE`;
+    * an MoE router loss (``output_router_logits=True``) that transformers computes from this rank's tokens only,
+      i.e. one that is not ``load_balancing_loss_func`` of the model's modeling module.
     """
     name = f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r})"
     kinds: set[str] = set()
@@ -177,9 +195,9 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
     if known:
         raise ValueError(f"{name} {known}: UlyssesDeepSpeedStrategy's attention cannot shard that, so it cannot"
                          " train under sequence parallelism; use sp_size=1.")
+    if not _router_loss_per_shard(model):
+        return  # computed over the whole global batch (lightning_ulysses.moe), or not computed at all
     for config in _configs(model):
-        if has_load_balancing_loss(model) or "aux_loss" not in (_forward_source(model) or "aux_loss"):
-            break  # computed over the whole global batch (lightning_ulysses.moe), or not computed at all
         if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 1.0):
             raise ValueError(
                 f"{name} has output_router_logits=True: transformers computes the MoE load-balancing loss from the"
@@ -198,39 +216,135 @@ _KNOWN_UNSHARDABLE = {
 }
 
 
-def _forward_source(module: nn.Module) -> Optional[str]:
-    return _class_forward_source(type(module))
+# ----------------------------------------------------------------------------------------------- attention modules
+_ATTENTION_CLASS = re.compile(r"Attention\d*$")  # transformers' naming: LlamaAttention, BertSelfAttention, ...
+
+# Attention classes that call torch.nn.functional.scaled_dot_product_attention themselves instead of looking their
+# kernel up in transformers' attention interface (the complete list in transformers 5.23). The strategy can put the
+# exchange around those calls (lightning_ulysses.hf).
+_CALLS_SDPA_ITSELF = frozenset({
+    "Data2VecVisionSdpaSelfAttention", "DeepseekOcr2SamVisionSdpaAttention", "FalconAttention",
+    "GraniteSpeechConformerAttention", "GraniteSpeechPlusConformerAttention", "SamHQVisionSdpaAttention",
+    "SamVisionSdpaAttention", "UnlimitedOcrSamVisionSdpaAttention",
+})
+
+# Attention classes defined in a modeling module that has transformers' attention interface
+# (``ALL_ATTENTION_FUNCTIONS``) but that do not dispatch through it: wrappers around the module that attends (BERT's
+# BertAttention around BertSelfAttention, T5's layer wrappers), sequence mixers named "...Attention", local, sparse,
+# deformable, audio and vision attentions that compute their own scores. The complete list in transformers 5.23;
+# most of them the structural rules of _attention_kind also recognise, the list makes the decision independent of
+# them. A class that is not listed is decided by those rules.
+_NOT_THROUGH_INTERFACE = frozenset({
+    "AlignTextAttention", "AltRobertaAttention", "AriaCrossAttention", "BailingHybridDeltaAttention",
+    "BertAttention", "BertGenerationAttention", "BigBirdPegasusBlockSparseAttention",
+    "BigBirdPegasusEncoderAttention", "BigBirdPegasusSelfAttention", "Blip2QFormerAttention",
+    "BridgeTowerAttention", "BridgeTowerResidualAttention", "CamembertAttention", "ChineseCLIPTextAttention",
+    "ClapAudioAttention", "ClapAudioSelfAttention", "ClapTextAttention", "DFineMultiscaleDeformableAttention",
+    "DPTViTAttention", "Data2VecTextAttention", "DeepseekOcr2SamVisionAttention",
+    "DeformableDetrMultiscaleDeformableAttention", "Deimv2MultiscaleDeformableAttention",
+    "EdgeTamVideoMemoryAttention", "EfficientLoFTRAggregatedAttention", "ElectraAttention", "ErnieAttention",
+    "EsmAttention", "EvollaSaProtAttention", "EvollaSequenceAlignerCrossAttention",
+    "EvollaSequenceCompressorAttention", "Gemma3nAudioAttention", "Gemma3nAudioConformerAttention",
+    "Gemma4AudioAttention", "GitAttention", "GitSelfAttention", "Glm5NextTextLinearAttention",
+    "InformerProbSparseAttention", "InstructBlipQFormerAttention", "InstructBlipVideoQFormerAttention",
+    "KimiLinearDeltaAttention", "LayoutLMAttention", "LongT5LayerCrossAttention", "LongT5LayerLocalSelfAttention",
+    "LongT5LayerSelfAttention", "LongT5LayerTransientGlobalSelfAttention", "LongT5LocalAttention",
+    "LongT5TransientGlobalAttention", "LwDetrMultiscaleDeformableAttention", "MT5LayerCrossAttention",
+    "MT5LayerSelfAttention", "MarkupLMAttention", "MiniMaxLightningAttention", "MobileBertAttention",
+    "MultiScaleDeformableAttention", "NeoMMEExclusiveSelfAttention", "PPDocLayoutV2MultiscaleDeformableAttention",
+    "PPDocLayoutV2ReadingOrderAttention", "PPDocLayoutV2ReadingOrderSelfAttention",
+    "PPDocLayoutV3MultiscaleDeformableAttention", "PPDocLayoutV4MultiscaleDeformableAttention",
+    "PPFormulaNetVisionAttention", "PatchTSMixerGatedAttention", "PegasusXGlobalLocalAttention",
+    "Pix2StructTextLayerCrossAttention", "Pix2StructTextLayerSelfAttention", "Pop2PianoLayerCrossAttention",
+    "Pop2PianoLayerSelfAttention", "RTDetrMultiscaleDeformableAttention", "RTDetrV2MultiscaleDeformableAttention",
+    "RfDetrMultiscaleDeformableAttention", "RoCBertAttention", "RobertaAttention", "RobertaPreLayerNormAttention",
+    "Sam2VideoMemoryAttention", "Sam3TrackerVideoMemoryAttention", "SamHQVisionAttention", "SamVisionAttention",
+    "SplinterAttention", "SwitchTransformersLayerCrossAttention", "SwitchTransformersLayerSelfAttention",
+    "T5LayerCrossAttention", "T5LayerSelfAttention", "UMT5LayerCrossAttention", "UMT5LayerSelfAttention",
+    "UdopLayerCrossAttention", "UdopLayerSelfAttention", "UnlimitedOcrSamVisionAttention", "VideoMAEAttention",
+    "VitPoseBackboneAttention", "XLMRobertaAttention", "XLMRobertaXLAttention", "XmodAttention", "YolosAttention",
+})
 
 
-@functools.lru_cache(maxsize=None)
-def _class_forward_source(cls: type) -> Optional[str]:
-    """The source of ``cls.forward``, read once per class (models hold one attention class per layer)."""
-    import inspect
+def _is_attention_class(cls: type) -> bool:
+    return bool(_ATTENTION_CLASS.search(cls.__name__))
 
-    try:
-        return inspect.getsource(cls.forward)
-    except (OSError, TypeError):
+
+def _own_classes(cls: type) -> list[type]:
+    """``cls`` and its bases up to ``nn.Module`` (exclusive): the classes a model's authors wrote."""
+    return [c for c in cls.__mro__ if c not in nn.Module.__mro__]
+
+
+def _attention_kind(module: nn.Module) -> Optional[str]:
+    """What an attention module does with its q, k and v, decided without reading its forward:
+
+    * ``"sdpa"``: it calls torch's SDPA itself (its class, or a base class, is in :data:`_CALLS_SDPA_ITSELF`);
+    * ``"interface"``: it looks its kernel up in transformers' attention interface, i.e. it is not listed in
+      :data:`_NOT_THROUGH_INTERFACE`, its class (or a base class) is defined in a modeling module that has
+      ``ALL_ATTENTION_FUNCTIONS``, it holds a ``config`` (the lookup reads ``config._attn_implementation``), it is no
+      sequence mixer, and no attention module inside it dispatches (else it is a wrapper around that one);
+    * ``"own"``: any other attention module, which computes attention some other way;
+    * ``None``: not an attention module (its class name does not end in ``Attention`` / ``Attention<n>``).
+
+    Wrapping or compiling the forward changes none of these facts.
+    """
+    cls = type(module)
+    if not _is_attention_class(cls):
         return None
+    for base in _own_classes(cls):
+        if base.__name__ in _CALLS_SDPA_ITSELF:
+            return "sdpa"
+        if base.__name__ in _NOT_THROUGH_INTERFACE:
+            return "own"
+    next_to_interface = any(hasattr(sys.modules.get(base.__module__), "ALL_ATTENTION_FUNCTIONS")
+                            for base in _own_classes(cls))
+    if not next_to_interface or not hasattr(module, "config") or is_sequence_mixer(module):
+        return "own"
+    if any(_attention_kind(inner) == "interface" for inner in module.modules() if inner is not module):
+        return "own"  # a wrapper: the module inside it attends
+    return "interface"
 
 
 def _bypasses_attention_interface(module: nn.Module) -> bool:
-    """An attention module (class name ending in ``Attention``/``Attention2``) whose forward never dispatches
-    through transformers' attention interface."""
-    import re
-
-    if not re.search(r"Attention\d*$", type(module).__name__):
+    """An attention module (class name ending in ``Attention``/``Attention2``) that computes attention without
+    transformers' attention interface, and is no wrapper around a module that the exchange serves (BERT's
+    BertAttention around BertSelfAttention)."""
+    if _attention_kind(module) not in ("sdpa", "own"):
         return False
-    source = _forward_source(module)
-    if source is None:
-        return False
-    if any(_uses_attention_interface(m) for m in module.modules() if m is not module):
-        return False  # a wrapper around the module that attends (BERT's BertAttention around BertSelfAttention)
-    return not ("ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source)
+    return not any(_uses_attention_interface(m) for m in module.modules() if m is not module)
 
 
 def _calls_sdpa_directly(module: nn.Module) -> bool:
-    source = _forward_source(module) or ""
-    return _bypasses_attention_interface(module) and "scaled_dot_product_attention(" in source
+    return _attention_kind(module) == "sdpa" and _bypasses_attention_interface(module)
+
+
+# ----------------------------------------------------------------------------------------------- the router loss
+# Module-level names under which a modeling module defines an MoE router loss (transformers' families:
+# load_balancing_loss_func; switch_transformers also router_z_loss_func).
+_ROUTER_LOSS_NAME = re.compile(r"aux\w*loss|balanc\w*loss|router\w*loss|z_loss", re.IGNORECASE)
+
+
+def _modeling_modules(cls: type) -> list[ModuleType]:
+    """The modeling modules (``modeling_<name>``: transformers' and remote code's) of ``cls`` and its bases."""
+    modules: list[ModuleType] = []
+    for base in _own_classes(cls):
+        module = sys.modules.get(base.__module__)
+        if module is not None and base.__module__.rpartition(".")[2].startswith("modeling_") \
+                and module not in modules:
+            modules.append(module)
+    return modules
+
+
+def _router_loss_per_shard(model: nn.Module) -> bool:
+    """Whether ``model`` computes an MoE router loss that would see only this rank's tokens: one of its modeling
+    modules (its class's or a base class's) defines a router loss function, and it is not the
+    ``load_balancing_loss_func`` of the model's own modeling module, which :mod:`lightning_ulysses.moe` replaces by
+    the global batch's. (Models whose modeling module defines none compute no router loss: their
+    ``output_router_logits`` only returns the logits.)"""
+    if has_load_balancing_loss(model):
+        return False
+    return any(callable(value) and _ROUTER_LOSS_NAME.search(name)
+               for module in _modeling_modules(type(model)) for name, value in vars(module).items())
 
 
 def refuse_tuning_callbacks(callbacks: list) -> None:
