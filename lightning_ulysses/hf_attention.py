@@ -165,7 +165,7 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         if context is None:
             raise RuntimeError(
                 f"{type(module).__name__} runs Ulysses attention but was not prepared by UlyssesDeepSpeedStrategy"
-                f" (config._attn_implementation={_compat.attention_implementation(module.config)!r})."
+                f" (attention implementation {_compat.attention_implementation(module.config)!r})."
             )
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

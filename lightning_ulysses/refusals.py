@@ -33,6 +33,7 @@ from typing import Any, Iterator, Optional
 
 from torch import nn
 
+from lightning_ulysses import _compat
 from lightning_ulysses.hf_attention import _PREFIX, SUPPORTED_ATTENTION, attention_implementation
 from lightning_ulysses.mixers import find_sequence_mixers, is_sequence_mixer, uncovered_sequence_convolutions
 from lightning_ulysses.moe import has_load_balancing_loss
@@ -50,7 +51,7 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str, ring_size: 
     """Raise a ``ValueError`` (before any compute) if ``model`` cannot run Ulysses attention at ``sp_size`` (the
     Ulysses part of it: ``sp_size / ring_size`` ranks share the heads)."""
     name = type(model).__name__
-    impl = model.config._attn_implementation
+    impl = _compat.attention_implementation(model.config)
     if impl is not None and impl.startswith(_PREFIX):
         impl = impl[len(_PREFIX) :]
     if not has_attention(model) and sequence_mixers(model):  # a pure state-space model: no attention to shard

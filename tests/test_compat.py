@@ -281,7 +281,8 @@ def test_every_private_touch_point_lives_in_compat():
 
     private = ("_should_accumulate", "batch_progress", "_data_source", "_get_ckpt_name", "_link_all_hp_params",
                "_restore_from_bit16_weights", "_set_fp32_optimizer_param_groups", "_clear_fp32_optimizer_param_groups",
-               "torch.ops.aten._", "remove_module_hooks(", "ds_grad_is_ready", "._device_mesh", "'_trainer'")
+               "torch.ops.aten._", "remove_module_hooks(", "ds_grad_is_ready", "._device_mesh", "'_trainer'",
+               "._attn_implementation")
     root = Path(lightning_ulysses.__file__).parent
     found = {}
     for path in root.rglob("*.py"):

@@ -46,7 +46,7 @@ def _weights(module) -> dict:
 def _mutate(name: str, undo: list) -> None:
     import lightning_ulysses.calls as calls
     import lightning_ulysses.hf as hf
-    from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy as Strategy
+    from lightning_ulysses.model_preparation import PreparedModels
 
     def patch(owner, attribute, value):
         undo.append((owner, attribute, getattr(owner, attribute)))
@@ -80,8 +80,8 @@ def _mutate(name: str, undo: list) -> None:
 
         patch(litgpt_models, "_rows_of_global_positions", lambda *args, **kwargs: None)
     elif name == "eval_hooks":  # Lightning's inference set-up removes the call completion and nothing notices
-        patch(Strategy, "_reinstall_model_hooks", lambda self: None)
-        patch(Strategy, "_check_model_hooks", lambda self: None)
+        patch(PreparedModels, "reinstall_hooks", lambda self, context: None)
+        patch(PreparedModels, "check_hooks", lambda self: None)
 
 
 @contextmanager
