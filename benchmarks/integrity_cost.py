@@ -141,7 +141,7 @@ def fingerprint_cost(seq_len: int) -> float:
 def digest_cost(size_bytes: int) -> dict[str, float]:
     import torch
 
-    from lightning_ulysses.integrity import file_digest
+    from lightning_ulysses.checkpoint.integrity import file_digest
 
     with tempfile.TemporaryDirectory(dir=OUT) as tmp:
         path = Path(tmp) / "shard.pt"

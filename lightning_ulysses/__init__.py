@@ -7,19 +7,20 @@ training is the one a single device would run. Importing this package registers 
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_ulysses.agreement import SPLossMismatchError, SPPeerMismatchError, batch_fingerprint
-from lightning_ulysses.attention import UlyssesAttention, ulysses_attention
-from lightning_ulysses.callbacks import SequenceParallelThroughputMonitor, StepProgressBar
-from lightning_ulysses.checkpoint import checkpoint_status, find_last_complete_checkpoint
-from lightning_ulysses.data import SequenceShardingCollate, shard_batch
-from lightning_ulysses.export import export_checkpoint
-from lightning_ulysses.generation import GenerationRendezvousError
-from lightning_ulysses.layout import SequenceParallelLayout
-from lightning_ulysses.loss import sequence_parallel_cross_entropy
-from lightning_ulysses.metrics import PositionalLoss, TokenWeightedLoss, TokenWeightedPerplexity
-from lightning_ulysses.retrieval import PasskeyRetrieval, passkey_sample, run_passkey_grid
-from lightning_ulysses.outputs import gather_sequence
+from lightning_ulysses.checkpoint.export import export_checkpoint
+from lightning_ulysses.checkpoint.markers import checkpoint_status, find_last_complete_checkpoint
+from lightning_ulysses.data.fingerprint import batch_fingerprint
+from lightning_ulysses.data.sharding import SequenceShardingCollate, shard_batch
+from lightning_ulysses.evaluation.metrics import PositionalLoss, TokenWeightedLoss, TokenWeightedPerplexity
+from lightning_ulysses.evaluation.retrieval import PasskeyRetrieval, passkey_sample, run_passkey_grid
+from lightning_ulysses.models.generation import GenerationRendezvousError
+from lightning_ulysses.parallel.attention import UlyssesAttention, ulysses_attention
+from lightning_ulysses.parallel.layout import SequenceParallelLayout
+from lightning_ulysses.parallel.outputs import gather_sequence
 from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
+from lightning_ulysses.training.agreement import SPLossMismatchError, SPPeerMismatchError
+from lightning_ulysses.training.callbacks import SequenceParallelThroughputMonitor, StepProgressBar
+from lightning_ulysses.training.loss import sequence_parallel_cross_entropy
 
 UlyssesDeepSpeedStrategy.register_strategies(StrategyRegistry)
 

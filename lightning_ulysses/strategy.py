@@ -3,11 +3,11 @@
 Glue only, in one file: every Lightning hook the strategy overrides is here, marked ``@override``, and hands its work
 to the object that owns it:
 
-* the DP×SP layout: :class:`~lightning_ulysses.layout.SequenceParallelLayout`;
-* the models, found, validated and prepared per stage: :class:`~lightning_ulysses.model_preparation.PreparedModels`;
-* every step (shard facts, checks, the gradient factor, the step API): :class:`~lightning_ulysses.step_runner.StepRunner`;
-* the DataLoaders: :func:`~lightning_ulysses.loader_setup.prepare_dataloader`;
-* checkpoints: :mod:`~lightning_ulysses.checkpoint_io`;
+* the DP×SP layout: :class:`~lightning_ulysses.parallel.layout.SequenceParallelLayout`;
+* the models, found, validated and prepared per stage: :class:`~lightning_ulysses.models.preparation.PreparedModels`;
+* every step (shard facts, checks, the gradient factor, the step API): :class:`~lightning_ulysses.training.step_runner.StepRunner`;
+* the DataLoaders: :func:`~lightning_ulysses.data.setup.prepare_dataloader`;
+* checkpoints: :mod:`~lightning_ulysses.checkpoint.saving`;
 * every change to objects the strategy does not own, undone in teardown: :class:`~lightning_ulysses.patches.PatchStack`;
 * Lightning's private methods the strategy overrides: :mod:`~lightning_ulysses._compat`.
 """
@@ -30,24 +30,27 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
-from lightning_ulysses import _compat, building, checkpoint_io, memory
-from lightning_ulysses.agreement import SPAgreement
-from lightning_ulysses.attention import ModuleSelector
-from lightning_ulysses.context import ShardInfo, StepContext
-from lightning_ulysses.data import automatic_batching_off_error
-from lightning_ulysses.geometry import SequenceGeometry
-from lightning_ulysses.gradient_factor import GradientFactors, verify_deepspeed_divisor
-from lightning_ulysses.layout import (
+from lightning_ulysses import _compat
+from lightning_ulysses.checkpoint import saving
+from lightning_ulysses.context import ShardInfo
+from lightning_ulysses.data.setup import prepare_dataloader
+from lightning_ulysses.data.sharding import automatic_batching_off_error
+from lightning_ulysses.models import building, memory
+from lightning_ulysses.models.preparation import PreparedModels
+from lightning_ulysses.parallel.attention import ModuleSelector
+from lightning_ulysses.parallel.geometry import SequenceGeometry
+from lightning_ulysses.parallel.layout import (
     SequenceParallelLayout,
     node_spanning_warning,
     sp_groups_span_nodes,
     validate_ring_size,
     validate_sp_size,
 )
-from lightning_ulysses.loader_setup import prepare_dataloader
-from lightning_ulysses.model_preparation import PreparedModels
 from lightning_ulysses.patches import PatchStack
-from lightning_ulysses.step_runner import StepRunner
+from lightning_ulysses.training.agreement import SPAgreement
+from lightning_ulysses.training.gradient_factor import GradientFactors, verify_deepspeed_divisor
+from lightning_ulysses.training.step_context import StepContext
+from lightning_ulysses.training.step_runner import StepRunner
 
 
 class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
@@ -67,7 +70,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     * switches every Hugging Face ``PreTrainedModel`` in the LightningModule to Ulysses attention (``sdpa``,
       ``flash_attention_2/3`` or ``flex_attention``) and to a loss whose value is the full-sequence loss;
     * gives the train/val/test/predict samplers ``num_replicas=dp`` and wraps each DataLoader's collate function
-      so that every rank receives its sequence shard (see :func:`lightning_ulysses.data.shard_batch`).
+      so that every rank receives its sequence shard (see :func:`lightning_ulysses.data.sharding.shard_batch`).
 
     Runs on CUDA (nccl) and on CPU (gloo, DeepSpeed's CPU accelerator).
 
@@ -110,7 +113,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         check_model_form: before the first step of every Trainer stage (fit, validate, test, predict), run the
             model on a short probe whole and sharded on every rank and stop, before any weight changes, if its output
             depends on which shard a rank holds (a model that computes positions, a RoPE frequency choice or a window
-            from its shard as if it were the whole sequence; see :mod:`lightning_ulysses.form_check`). Two forward
+            from its shard as if it were the whole sequence; see :mod:`lightning_ulysses.models.form_check`). Two forward
             passes of a few tokens per stage. ``False`` skips it.
         ring_size: Hybrid Ulysses × ring sequence parallelism (USP): the SP group is ``ring_size`` ring groups of
             ``sp_size / ring_size`` Ulysses ranks (consecutive ranks, so a Ulysses group stays inside a node).
@@ -362,8 +365,10 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         trainer = _compat.attached_trainer(self.lightning_module)
-        return prepare_dataloader(dataloader, self.layout, self.runner, trainer, self._models.pad_token_id(),
-                                  self._patches)
+        runner = self.runner
+        end_of_data_check = runner.agreement.verify_end_of_data if runner.agreement is not None else None
+        return prepare_dataloader(dataloader, self.layout, runner.queues, runner.context.gradients.accumulation,
+                                  end_of_data_check, trainer, self._models.pad_token_id(), self._patches)
 
     @override
     def _auto_select_batch_size(self) -> int:
@@ -377,17 +382,17 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Lightning's DeepSpeed checkpoint (a directory; every rank writes its shard), marked complete only once every
-        rank has written, with the layout and the Hugging Face models recorded (:mod:`lightning_ulysses.checkpoint`)."""
+        rank has written, with the layout and the Hugging Face models recorded (:mod:`lightning_ulysses.checkpoint.markers`)."""
         if storage_options is not None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # raises Lightning's TypeError
-        checkpoint_io.save(self, checkpoint, filepath,
+        saving.save(self, checkpoint, filepath,
                            lambda content, path: super(UlyssesDeepSpeedStrategy, self).save_checkpoint(content, path))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A checkpoint validated first (complete, intact, a loadable layout), loaded by DeepSpeed on the same layout
-        or re-partitioned on another number of ranks or ZeRO stage (:mod:`lightning_ulysses.resharding`)."""
-        return checkpoint_io.load(self, checkpoint_path, lambda: super(UlyssesDeepSpeedStrategy, self).load_checkpoint(
+        or re-partitioned on another number of ranks or ZeRO stage (:mod:`lightning_ulysses.checkpoint.resharding`)."""
+        return saving.load(self, checkpoint_path, lambda: super(UlyssesDeepSpeedStrategy, self).load_checkpoint(
             checkpoint_path, weights_only))
 
     # ----------------------------------------------------------------------------------------------- lifecycle
@@ -436,7 +441,7 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def shard_positions(self, shard_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
         """Global positions ``[shard_len]`` of this rank's sequence shard (for rotary/absolute position embeddings
         of your own model; batches from the strategy's loaders also carry them as ``position_ids``). With
-        ``ring_size > 1`` the shard is the zigzag pieces :class:`~lightning_ulysses.geometry.SequenceGeometry` places
+        ``ring_size > 1`` the shard is the zigzag pieces :class:`~lightning_ulysses.parallel.geometry.SequenceGeometry` places
         on this rank."""
         return self.runner.shard_positions(shard_len, device)
 

@@ -22,7 +22,7 @@ from lightning_ulysses import (
     export_checkpoint,
     find_last_complete_checkpoint,
 )
-from lightning_ulysses.checkpoint import MARKER, validate_for_loading
+from lightning_ulysses.checkpoint.markers import MARKER, validate_for_loading
 from tests.support.launcher import launch
 from tests.support.models import SEED, build_llama, tiny_llama_config
 from tests.scenarios.checkpoints import KV_HEADS, LR, LR_GAMMA, LR_STEP, MOMENTUM, RowDataset, predict_inputs
@@ -389,8 +389,8 @@ def test_export_does_not_run_code_from_a_checkpoint(root, tmp_path):
     import pickle
     import shutil
 
-    from lightning_ulysses.checkpoint import commit_checkpoint, read_marker
-    from lightning_ulysses.integrity import digests
+    from lightning_ulysses.checkpoint.markers import commit_checkpoint, read_marker
+    from lightning_ulysses.checkpoint.integrity import digests
 
     evil = root / "tampered" / "evil.ckpt"
     shutil.copytree(root / "z2" / "step=4.ckpt", evil)
@@ -420,7 +420,7 @@ def test_resumable_loader_skips_the_saved_batches_once(workers):
     samples are never read), the next epoch whole; with a persistent worker too (its iterator is reused per epoch)."""
     from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-    from lightning_ulysses.loaders import install_resumable_loader
+    from lightning_ulysses.data.loaders import install_resumable_loader
 
     class Reads(Dataset):
         def __init__(self) -> None:

@@ -164,7 +164,7 @@ def test_flash_varlen_keeps_packed_documents_apart(window):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from lightning_ulysses.context import ShardInfo
-    from lightning_ulysses.hf_attention import _attend_documents
+    from lightning_ulysses.models.hf_attention import _attend_documents
 
     q, k, v, cu_seqlens, documents = _packed_inputs(torch.bfloat16)
     shard = ShardInfo(48, cu_seqlens, 26)
@@ -188,7 +188,7 @@ def test_flex_document_and_window_masks(window):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from lightning_ulysses.context import ShardInfo
-    from lightning_ulysses.hf_attention import _attend_documents, _flex_block_mask
+    from lightning_ulysses.models.hf_attention import _attend_documents, _flex_block_mask
 
     q, k, v, cu_seqlens, documents = _packed_inputs(torch.float32)
     flex = ALL_ATTENTION_FUNCTIONS["flex_attention"]
@@ -212,7 +212,7 @@ def test_ring_block_kernels_on_cuda_match_sdpa(dtype, window):
     """One query block against one key block on the GPU (what ring attention runs per block): the kernel chosen on
     CUDA is torch's memory-efficient op (it agreed with the matmul kernel), and both it and the matmul fallback give
     SDPA's output and q/k/v gradients from the final log-sum-exp. CPU path: tests/test_ring.py (fused and matmul)."""
-    from lightning_ulysses.ring import _block_backward, _block_forward, block_kernel, causal_window_mask
+    from lightning_ulysses.parallel.ring import _block_backward, _block_forward, block_kernel, causal_window_mask
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 4, 72, 16, device="cuda", generator=g, dtype=dtype) for _ in range(3))

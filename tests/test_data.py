@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, default_collate
 
-from lightning_ulysses.data import SequenceShardingCollate, install_sharding_collate, shard_batch
-from lightning_ulysses.gradient_factor import deepspeed_divisor
-from lightning_ulysses.loss import sequence_parallel_cross_entropy
+from lightning_ulysses.data.sharding import SequenceShardingCollate, install_sharding_collate, shard_batch
+from lightning_ulysses.training.gradient_factor import deepspeed_divisor
+from lightning_ulysses.training.loss import sequence_parallel_cross_entropy
 
 IGNORE = -100
 SEQ_KEYS = ("input_ids", "labels", "shift_labels", "position_ids")
@@ -513,7 +513,7 @@ def test_none_values_mean_absent():
 
 
 def test_fingerprint_sees_every_element_and_the_order():
-    from lightning_ulysses.agreement import batch_fingerprint
+    from lightning_ulysses.data.fingerprint import batch_fingerprint
 
     ids = _ids()
     base = batch_fingerprint({"input_ids": ids, "labels": ids})
@@ -535,8 +535,8 @@ def test_fingerprint_sees_every_element_and_the_order():
 def test_next_token_sources_point_at_the_next_position_of_the_row(padded_len, sp, ring):
     """For every layout, the token after each run of every rank's shard is found where the plan says (and the
     last position of the row has none); every rank sends the same number of first tokens."""
-    from lightning_ulysses.data import next_token_sources
-    from lightning_ulysses.geometry import SequenceGeometry
+    from lightning_ulysses.data.halo import next_token_sources
+    from lightning_ulysses.parallel.geometry import SequenceGeometry
 
     geometry = SequenceGeometry(sp, ring)
     index = {r: geometry.shard_index(padded_len, r) for r in range(sp)}
@@ -560,7 +560,7 @@ def test_geometry_cuts_every_padded_row_into_the_layouts_shards(sp, ring):
     """Every position of the padded row is held by exactly one SP rank; Ulysses-only shards are contiguous in rank
     order; with ring, ring rank i holds chunks i and 2R-1-i cut over its Ulysses ranks; full_order inverts the
     rank-major concatenation."""
-    from lightning_ulysses.geometry import SequenceGeometry
+    from lightning_ulysses.parallel.geometry import SequenceGeometry
 
     geometry = SequenceGeometry(sp, ring)
     for seq_len in (1, 7, 24, 37):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ulysses import UlyssesDeepSpeedStrategy, refusals
-from lightning_ulysses.layout import validate_sp_size
+from lightning_ulysses import UlyssesDeepSpeedStrategy
+from lightning_ulysses.models import refusals
+from lightning_ulysses.parallel.layout import validate_sp_size
 from tests.support.launcher import launch
 from tests.support.models import build_llama, tiny_llama_config
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ulysses.layout import node_spanning_warning, sp_groups_span_nodes
+from lightning_ulysses.parallel.layout import node_spanning_warning, sp_groups_span_nodes
 from tests.support.launcher import REPO_ROOT, launch
 from tests.test_parity import SEQ_LEN, STEPS, _run, check_against_reference
 

@@ -1,12 +1,12 @@
-"""The strategy's DataLoader layers (lightning_ulysses/loaders.py): wrappers in one order, the object Lightning handed
+"""The strategy's DataLoader layers (lightning_ulysses/data/loaders.py): wrappers in one order, the object Lightning handed
 over changed only in its collate function, which restore_loader (called in the strategy's teardown) gives back."""
 
 from __future__ import annotations
 
 from torch.utils.data import DataLoader, default_collate
 
-from lightning_ulysses.data import SequenceShardingCollate, install_sharding_collate
-from lightning_ulysses.loaders import (
+from lightning_ulysses.data.sharding import SequenceShardingCollate, install_sharding_collate
+from lightning_ulysses.data.loaders import (
     AccumulationWindow,
     ResumePosition,
     ShardInfoQueue,

@@ -5,7 +5,7 @@ logits + loss, checkpoint offload, and all three together, at ZeRO 2 and 3 with 
 import pytest
 import torch
 
-from lightning_ulysses import memory
+from lightning_ulysses.models import memory
 from tests.support.launcher import launch
 from tests.support.models import VarLenDataset, tiny_llama_config, train_on_batches
 from tests.test_parity import STEPS, _run, check_against_reference

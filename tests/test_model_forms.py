@@ -242,8 +242,9 @@ def _rotary(family: str, kind: str):
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
 @pytest.mark.parametrize("kind", ROPE_KINDS)
 def test_rotary_of_every_family_sees_the_whole_batchs_largest_position(family, kind):
-    from lightning_ulysses.context import ShardInfo, StepContext
-    from lightning_ulysses.rope import is_length_dependent_rotary, unwrap_rotaries, wrap_length_dependent_rotaries
+    from lightning_ulysses.context import ShardInfo
+    from lightning_ulysses.training.step_context import StepContext
+    from lightning_ulysses.models.rope import is_length_dependent_rotary, unwrap_rotaries, wrap_length_dependent_rotaries
 
     try:
         rotary_class, config = _rotary(family, kind)
@@ -305,8 +306,9 @@ def test_rope_per_layer_type_is_recognised_and_whole_for_its_length_dependent_la
     from transformers import Gemma3TextConfig
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
-    from lightning_ulysses.context import ShardInfo, StepContext
-    from lightning_ulysses.rope import is_length_dependent_rotary, unwrap_rotaries, wrap_length_dependent_rotaries
+    from lightning_ulysses.context import ShardInfo
+    from lightning_ulysses.training.step_context import StepContext
+    from lightning_ulysses.models.rope import is_length_dependent_rotary, unwrap_rotaries, wrap_length_dependent_rotaries
 
     config = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                               max_position_embeddings=16, num_hidden_layers=2,

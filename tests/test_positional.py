@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_ulysses import passkey_sample, run_passkey_grid
-from lightning_ulysses.retrieval import NEEDLE
+from lightning_ulysses.evaluation.retrieval import NEEDLE
 from tests.support.launcher import launch
 from tests.support.models import build_llama, documents_as_rows, tiny_llama_config
 from tests.scenarios.positional import EDGES, CharTokenizer, datasets
@@ -90,7 +90,7 @@ def test_loss_by_position_is_the_single_device_curve(name, layout, request):
 
 
 def reference_passkey(lengths, depths) -> list[dict]:
-    from lightning_ulysses.retrieval import IGNORE_INDEX
+    from lightning_ulysses.evaluation.retrieval import IGNORE_INDEX
 
     class Plain:  # a single device: the whole sample, no SP
         sp_size = 1

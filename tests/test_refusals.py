@@ -9,7 +9,7 @@ import functools
 import pytest
 from torch import nn
 
-from lightning_ulysses import refusals
+from lightning_ulysses.models import refusals
 from tests.support.architectures import build_model
 
 # full attention, direct SDPA calls, an implementation refused, the router loss made exact, sequence mixers (one
@@ -101,7 +101,7 @@ def test_the_cases_cover_each_decision():
 
 
 def test_router_loss_of_a_modeling_module_moe_does_not_replace_is_refused():
-    """A model whose class lives outside its modeling module: lightning_ulysses.moe replaces the router loss of the
+    """A model whose class lives outside its modeling module: lightning_ulysses.models.moe replaces the router loss of the
     model's own module only, so the transformers one its base class calls would see this rank's tokens: refused."""
     model = build_model("qwen3_moe_aux_loss")
     cls = type(model)

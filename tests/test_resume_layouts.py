@@ -153,7 +153,7 @@ def test_another_model_is_refused_before_loading(runs):
 def test_loading_on_another_layout_writes_nothing(runs, root):
     """Re-partitioning happens in memory at load: the checkpoints that were resumed on other layouts (several times)
     are byte for byte what their run wrote, so a crash while loading leaves nothing half-converted to reuse."""
-    from lightning_ulysses.checkpoint import MARKER, checkpoint_status, verify_digests
+    from lightning_ulysses.checkpoint.markers import MARKER, checkpoint_status, verify_digests
 
     for stage in STAGES:
         checkpoint = root / f"sp2_z{stage}" / "step=4.ckpt"

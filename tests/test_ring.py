@@ -94,7 +94,7 @@ def test_fused_block_kernels_are_checked_against_the_matmul_kernel(monkeypatch):
     """A fused op is used only where it agrees with the matmul kernel (output, log-sum-exp, gradients; causal, full
     and masked blocks with queries that see nothing): the CPU op agrees; a kernel that is wrong or raises is refused
     with a warning and ring attention falls back to the matmul kernel. (The same check guards the CUDA op.)"""
-    from lightning_ulysses import ring
+    from lightning_ulysses.parallel import ring
 
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         assert ring._kernel_error("cpu_flash", torch.device("cpu"), dtype) <= ring._KERNEL_TOLERANCE[dtype], dtype
@@ -120,7 +120,7 @@ def test_cuda_block_kernel_calls_fit_torchs_ops(dtype):
     the padded log-sum-exp layout, the aligned bias, philox arguments) run through torch's own shape checks on the
     meta device, for causal, full and masked blocks of a length that is not a tile multiple. Its numbers are checked
     on a GPU (tests/test_cuda.py) and, at first use, against the matmul kernel (ring.kernel_agrees)."""
-    from lightning_ulysses import ring
+    from lightning_ulysses.parallel import ring
 
     B, h, c, D = 2, 4, 40, 16
     q, k, v, dout = (torch.empty(B, h, c, D, device="meta", dtype=dtype) for _ in range(4))

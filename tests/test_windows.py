@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_ulysses.context import ShardInfo
-from lightning_ulysses.hf_attention import _attend_documents, _sdpa_causal
+from lightning_ulysses.models.hf_attention import _attend_documents, _sdpa_causal
 
 
 class Module:

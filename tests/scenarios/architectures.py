@@ -14,8 +14,8 @@ from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
-from lightning_ulysses.form_check import probe_running
-from lightning_ulysses.mixer_families import FAMILIES
+from lightning_ulysses.models.form_check import probe_running
+from lightning_ulysses.models.mixer_families import FAMILIES
 from tests.support.architectures import ARCHITECTURES, batches, build_model
 from tests.support.training import LAUNCH_WORLD_SIZE, make_trainer
 
@@ -60,8 +60,8 @@ def _fit(name: str, steps: int, lr: float) -> dict[str, Any]:
 def _mixer_families(model: torch.nn.Module) -> list[list]:
     """``[mixer class, family recipe or None (runs whole), {conv channels / head counts of this rank}]`` for every
     sequence mixer."""
-    from lightning_ulysses.mixer_heads import head_slicing
-    from lightning_ulysses.refusals import sequence_mixers
+    from lightning_ulysses.models.mixer_heads import head_slicing
+    from lightning_ulysses.models.refusals import sequence_mixers
 
     rank = int(os.environ["RANK"])  # before fit: the process group is not up yet
     found = []

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from lightning_ulysses import UlyssesDeepSpeedStrategy, hf
+from lightning_ulysses import UlyssesDeepSpeedStrategy
+from lightning_ulysses.models import hf
 from tests.support.models import CountingCausalLM, TokenDataset, tiny_llama_config
 from tests.support.training import make_trainer
 

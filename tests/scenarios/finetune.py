@@ -106,7 +106,7 @@ class FinetuneRecorder(Callback):
                 self._hooks.append(module.register_forward_pre_hook(self._count))
 
     def _count(self, *_: Any) -> None:
-        from lightning_ulysses.form_check import probe_running
+        from lightning_ulysses.models.form_check import probe_running
 
         self._calls += 0 if probe_running() else 1
 

@@ -100,7 +100,7 @@ class FailingStep(CausalLM):
 def probe_mutation(payload: dict) -> dict:
     """DeepSpeed's gradient averaging changed (mutated to halve the averaged gradients): the fit stops at set-up,
     before any step, with the strategy's divisor error."""
-    from lightning_ulysses import gradient_factor
+    from lightning_ulysses.training import gradient_factor
 
     stage = payload["stage"]
     if stage == 3:

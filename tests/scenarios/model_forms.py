@@ -44,9 +44,9 @@ def _weights(module) -> dict:
 
 # What each mutation removes: the fix of one model-form row, so that the model-form check must catch the form.
 def _mutate(name: str, undo: list) -> None:
-    import lightning_ulysses.calls as calls
-    import lightning_ulysses.hf as hf
-    from lightning_ulysses.model_preparation import PreparedModels
+    import lightning_ulysses.models.calls as calls
+    import lightning_ulysses.models.hf as hf
+    from lightning_ulysses.models.preparation import PreparedModels
 
     def patch(owner, attribute, value):
         undo.append((owner, attribute, getattr(owner, attribute)))
@@ -57,7 +57,7 @@ def _mutate(name: str, undo: list) -> None:
     elif name == "input_pos":  # `input_pos` not filled in: the model counts 0..T-1 on every shard
         patch(calls, "POSITION_PARAMETERS", ("position_ids",))
     elif name == "encoder_window":  # bidirectional windows computed as causal ones
-        import lightning_ulysses.hf_attention as hf_attention
+        import lightning_ulysses.models.hf_attention as hf_attention
 
         original = hf_attention._sdpa_causal
 
@@ -76,7 +76,7 @@ def _mutate(name: str, undo: list) -> None:
 
         patch(hf_attention, "_sdpa_causal", causal_windows)
     elif name == "litgpt_rope":  # LitGPT's RoPE rows back to its own cos[:T] of the local length
-        import lightning_ulysses.litgpt_models as litgpt_models
+        import lightning_ulysses.models.litgpt as litgpt_models
 
         patch(litgpt_models, "_rows_of_global_positions", lambda *args, **kwargs: None)
     elif name == "eval_hooks":  # Lightning's inference set-up removes the call completion and nothing notices

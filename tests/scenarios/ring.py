@@ -16,9 +16,9 @@ class Module:
 
 
 def ring_alone(payload: dict) -> dict:
-    from lightning_ulysses import ring
-    from lightning_ulysses.geometry import SequenceGeometry
-    from lightning_ulysses.ring import ring_attention
+    from lightning_ulysses.parallel import ring
+    from lightning_ulysses.parallel.geometry import SequenceGeometry
+    from lightning_ulysses.parallel.ring import ring_attention
 
     block_kernel = ring.block_kernel
 
@@ -74,7 +74,7 @@ def ring_alone(payload: dict) -> dict:
 def layout_groups(payload: dict) -> dict:
     """The device mesh and groups of :class:`SequenceParallelLayout` for each ``(sp_size, ring_size)`` of the
     payload, as global ranks (every rank builds every layout: mesh creation is collective)."""
-    from lightning_ulysses.layout import SequenceParallelLayout
+    from lightning_ulysses.parallel.layout import SequenceParallelLayout
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")

@@ -78,7 +78,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2_moe_aux_loss": {"type": "qwen2_moe", "config": {**MOE, **AUX, "shared_expert_intermediate_size": 32}},
     "mixtral_aux_loss": {"type": "mixtral", "config": {"num_local_experts": 4, "num_experts_per_tok": 2, **AUX}},
     "olmoe_aux_loss": {"type": "olmoe", "config": {"num_experts": 4, "num_experts_per_tok": 2, **AUX}},
-    # sequence mixers other than attention (run on the whole sequence, lightning_ulysses.mixers)
+    # sequence mixers other than attention (run on the whole sequence, lightning_ulysses.models.mixers)
     "qwen3_next": {"type": "qwen3_next", "config": {**MOE, "layer_types": ["linear_attention", "full_attention"],
                                                     "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                                                     "linear_key_head_dim": 16, "linear_value_head_dim": 16}},

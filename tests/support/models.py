@@ -184,7 +184,7 @@ class DataCausalLM(CausalLM):
 
     def __init__(self, config, dataset, batch_size: int = 1, collate_fn=None, lr: float = 0.5) -> None:
         super().__init__(config, lr=lr, dataset=dataset, batch_size=batch_size)
-        from lightning_ulysses.metrics import TokenWeightedLoss, TokenWeightedPerplexity
+        from lightning_ulysses.evaluation.metrics import TokenWeightedLoss, TokenWeightedPerplexity
 
         self.collate_fn = collate_fn
         self.corpus_loss = TokenWeightedLoss()
@@ -245,7 +245,7 @@ RING_PASSES = {"n": 0}  # point-to-point passes of K/V blocks around the ring (c
 
 def count_ring_passes() -> None:
     """Count ring attention's point-to-point passes in ``RING_PASSES`` (CommDebugMode does not see them)."""
-    from lightning_ulysses import ring
+    from lightning_ulysses.parallel import ring
 
     if getattr(ring._start_pass, "_counted", False):
         return

@@ -14,7 +14,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 import lightning_ulysses  # noqa: F401  (registers the strategy names)
 from lightning_ulysses import UlyssesDeepSpeedStrategy
-from lightning_ulysses.form_check import probe_running
+from lightning_ulysses.models.form_check import probe_running
 from tests.support.models import SEED, CausalLM, OwnLossCausalLM, TokenDataset, tiny_llama_config
 
 

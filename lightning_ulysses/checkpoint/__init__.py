@@ -1,0 +1,1 @@
+"""Checkpoints: completion markers and digests, saving and loading, resuming on another layout, export."""

@@ -1,0 +1,1 @@
+"""Evaluation: per-token metrics, passkey retrieval, gathering per-token outputs."""

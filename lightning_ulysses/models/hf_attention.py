@@ -1,0 +1,272 @@
+"""The Ulysses attention functions for Hugging Face models: ``ulysses_<impl>`` entries of transformers'
+``AttentionInterface`` that exchange sequence shards for head shards, run the model's own attention implementation
+(``sdpa``, ``flash_attention_2/3``, ``flex_attention``) over the whole sequence (causal, sliding windows on global
+positions, packed documents kept apart, ring attention across ring groups), and exchange back.
+
+This module replaces nothing: :func:`register_attention_functions` *adds* the functions to transformers' registry
+under their own names (``ulysses_sdpa``, ...), next to the stock ones, and :mod:`lightning_ulysses.models.hf` points a
+prepared model's ``config._attn_implementation`` at them (and back on restore); a model the strategy has not
+prepared never reaches them. Each call finds the step's context (SP group, shard layout) on the attention module
+itself. Attention modules that call torch's SDPA directly instead of going through the registry are handled in
+:mod:`lightning_ulysses.models.hf`, not here. The only state kept here is a small cache of flex-attention block masks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning_ulysses import _compat
+from lightning_ulysses.context import ShardInfo
+from lightning_ulysses.parallel.exchange import head_to_sequence_shards, sequence_to_head_shards
+from lightning_ulysses.parallel.ring import causal_window_mask, document_ids, ring_attention
+from lightning_ulysses.training.step_context import StepContext
+
+SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+_PREFIX = "ulysses_"
+
+_CONTEXT_ATTR = "_ulysses_step_context"
+
+
+# Keyword arguments that describe the *local* shard's positions; the attention over the full sequence must not see them.
+_LOCAL_POSITION_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+class _LocalHeadsView:
+    """The attention module as the inner attention function must see it after the exchange: same attributes, but
+    ``num_key_value_groups`` counts the heads this rank holds (it differs when KV heads were replicated)."""
+
+    def __init__(self, module: nn.Module, num_key_value_groups: int) -> None:
+        self._module = module
+        self.num_key_value_groups = num_key_value_groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def attention_implementation(model: nn.Module) -> str:
+    """The model's attention implementation without the Ulysses prefix (``sdpa``, ``flash_attention_2``, ...)."""
+    impl = _compat.attention_implementation(model.config)
+    return impl[len(_PREFIX):] if impl.startswith(_PREFIX) else impl
+
+
+def keeps_documents_apart(impl: str, sdpa_per_document: bool) -> bool:
+    """Whether Ulysses attention with ``impl`` can keep packed documents from attending to each other."""
+    return impl != "sdpa" or sdpa_per_document
+
+_block_masks: dict[Any, Any] = {}
+# Flex block masks are cached by (length, device, documents, window): building one evaluates the mask over every
+# block, so every layer of a step reuses it (window and full-attention layers alternate: two keys per batch shape).
+# When the cache holds more than this many it is emptied: lengths and packed documents' boundaries change from batch
+# to batch, so old masks would only pile up.
+_BLOCK_MASK_CACHE_SIZE = 4
+
+
+def _flex_block_mask(seq_len: int, device: torch.device, cu_seqlens: Optional[torch.Tensor],
+                     window: Optional[int] = None) -> Any:
+    """Causal mask over ``seq_len`` positions; with ``cu_seqlens``, also block attention across documents; with
+    ``window``, only the last ``window`` positions (the query's own included), as transformers' masks do."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (seq_len, str(device), None if cu_seqlens is None else tuple(cu_seqlens.tolist()), window)
+    if key not in _block_masks:
+        if len(_block_masks) > _BLOCK_MASK_CACHE_SIZE:
+            _block_masks.clear()
+        if cu_seqlens is None:
+            document = torch.zeros(seq_len, dtype=torch.long, device=device)
+        else:
+            positions = torch.arange(seq_len, device=device)
+            document = torch.searchsorted(cu_seqlens.to(device)[1:], positions, right=True)  # [L]
+        span = window if window is not None else seq_len + 1
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (kv_idx > q_idx - span) & (document[q_idx] == document[kv_idx])
+
+        _block_masks[key] = create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
+    return _block_masks[key]
+
+
+def sliding_window_of(kwargs: dict[str, Any]) -> Optional[int]:
+    """The layer's sliding window (``sliding_window`` keyword of transformers' attention call), ``None`` if none."""
+    window = kwargs.get("sliding_window")
+    return int(window) if window else None
+
+
+def _sdpa_causal(inner: Callable, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 window: Optional[int], kwargs: dict[str, Any]) -> torch.Tensor:
+    """SDPA over one sequence, causal (or bidirectional for modules with ``is_causal = False``, encoders),
+    ``q/k/v [B, h, L, D] -> [B, L, hq, D]``; with a ``window`` shorter than ``L`` an exact banded computation: query
+    blocks of ``window`` positions, each against the keys it can see, with the window mask (causal: key > query -
+    window; bidirectional: |key - query| < window, transformers' bidirectional sliding window). Memory grows with
+    ``L × window``, not ``L²``."""
+    L = q.shape[2]
+    if window is None or window >= L:
+        return inner(module, q, k, v, None, **kwargs)[0]
+    causal = bool(getattr(module, "is_causal", True))
+    pieces = []
+    for start in range(0, L, window):
+        end = min(start + window, L)
+        first_key = max(0, start - window + 1)
+        last_key = end if causal else min(L, end + window - 1)
+        q_pos = torch.arange(start, end, device=q.device)
+        k_pos = torch.arange(first_key, last_key, device=q.device)
+        if causal:
+            mask = causal_window_mask(q_pos, k_pos, window)  # [lq, lk], True = attend
+        else:
+            mask = (k_pos[None, :] - q_pos[:, None]).abs() < window
+        pieces.append(inner(module, q[:, :, start:end], k[:, :, first_key:last_key], v[:, :, first_key:last_key],
+                            mask[None, None], **kwargs)[0])  # [B, lq, hq, D]
+    return torch.cat(pieces, dim=1)
+
+
+def _flatten_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, h, S, D] -> [1, h, B*S, D]``: the packed rows as one sequence, so documents are segments of it."""
+    B, h, S, D = x.shape
+    return x.transpose(0, 1).reshape(1, h, B * S, D)
+
+
+def _attend_documents(inner_name: str, inner: Callable, module: Any, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, shard: ShardInfo, kwargs: dict[str, Any],
+                      window: Optional[int] = None) -> torch.Tensor:
+    """Causal attention inside each packed document only (and inside the layer's sliding ``window``).
+    ``q/k/v [B, h, S, D]`` -> ``[B, S, hq, D]``."""
+    B, hq, S, D = q.shape
+    cu_seqlens = shard.cu_seqlens.to(device=q.device, dtype=torch.int32)  # offsets in the flattened [B*S]
+    if inner_name.startswith("flash_attention"):
+        # Hugging Face's varlen path flattens the batch itself and reads the offsets from these kwargs.
+        kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                      max_length_q=shard.max_seqlen, max_length_k=shard.max_seqlen)
+        out, _ = inner(module, q, k, v, None, **kwargs)  # [B, S, hq, D]
+        return out.reshape(B, S, hq, -1)
+    qf, kf, vf = _flatten_rows(q), _flatten_rows(k), _flatten_rows(v)  # [1, h, B*S, D]
+    if inner_name == "flex_attention":
+        mask = _flex_block_mask(B * S, q.device, cu_seqlens, window)
+        out, _ = inner(module, qf, kf, vf, mask, **kwargs)  # [1, B*S, hq, D]
+    else:  # sdpa: one exact causal call per document, no [S, S] mask
+        bounds = cu_seqlens.tolist()
+        pieces = [_sdpa_causal(inner, module, qf[:, :, a:b], kf[:, :, a:b], vf[:, :, a:b], window, kwargs)
+                  for a, b in zip(bounds[:-1], bounds[1:])]  # each [1, L_doc, hq, D]
+        out = torch.cat(pieces, dim=1)  # [1, B*S, hq, D]
+    return out.reshape(B, S, hq, -1)
+
+
+def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor, None]]:
+    def ulysses_attention_forward(
+        module: nn.Module,
+        query: torch.Tensor,  # [B, Hq, s, D]
+        key: torch.Tensor,  # [B, Hkv, s, D]
+        value: torch.Tensor,  # [B, Hkv, s, D]
+        attention_mask: Optional[torch.Tensor],
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        context: Optional[StepContext] = module.__dict__.get(_CONTEXT_ATTR)
+        if context is None:
+            raise RuntimeError(
+                f"{type(module).__name__} runs Ulysses attention but was not prepared by UlyssesDeepSpeedStrategy"
+                f" (attention implementation {_compat.attention_implementation(module.config)!r})."
+            )
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        for name in _LOCAL_POSITION_KWARGS:
+            kwargs.pop(name, None)
+        _refuse_unshardable_inputs(module, attention_mask, kwargs)
+        group = context.ulysses_group
+        q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
+        inner = ALL_ATTENTION_FUNCTIONS[inner_name]
+        view = _LocalHeadsView(module, q.shape[1] // k.shape[1])
+        # flash applies the window itself (its `sliding_window` keyword); sdpa and flex get it here.
+        window = sliding_window_of(kwargs)
+        if not inner_name.startswith("flash_attention"):
+            kwargs.pop("sliding_window", None)
+        shard = context.shard_info
+        if not getattr(module, "is_causal", True):
+            _refuse_unsupported_bidirectional(module, inner_name, context)
+        if context.ring_size > 1:  # hybrid: q holds this ring rank's S/R tokens, attend over all S
+            documents = None
+            if shard is not None and shard.packed:  # [B, S]: the document of every global position
+                documents = document_ids(shard.cu_seqlens, q.shape[0], shard.padded_len, q.device)
+            out = ring_attention(view, q, k, v, context.ring_group, window, kwargs, documents)  # [B, S/R, hq, D]
+        elif shard is not None and shard.packed:
+            if not keeps_documents_apart(inner_name, context.sdpa_per_document):
+                raise ValueError(packed_documents_error(inner_name))
+            out = _attend_documents(inner_name, inner, view, q, k, v, shard, kwargs, window)  # [B, S, hq, D]
+        elif inner_name == "flex_attention":  # the causal (and window) structure of the full sequence
+            out, _ = inner(view, q, k, v, _flex_block_mask(q.shape[2], q.device, None, window), **kwargs)
+        elif inner_name == "sdpa":
+            out = _sdpa_causal(inner, view, q, k, v, window, kwargs)  # [B, S, hq, D]
+        else:
+            out, _ = inner(view, q, k, v, None, **kwargs)  # [B, S, hq, D]
+        return head_to_sequence_shards(out, group, query.shape[1]), None  # [B, s, Hq, D]
+
+    ulysses_attention_forward.__name__ = f"ulysses_{inner_name}_forward"
+    return ulysses_attention_forward
+
+
+# Tensors some models hand their attention besides q, k, v (additive position biases, attention sinks): the exchange
+# does not shard them (the batch's own keys, e.g. shift_labels, also travel in these kwargs and are ignored).
+_UNSHARDED_ATTENTION_TENSORS = ("position_bias", "s_aux", "sinks", "alibi", "attn_bias", "attention_bias")
+
+
+def _refuse_unshardable_inputs(module: nn.Module, attention_mask: Any, kwargs: dict[str, Any]) -> None:
+    """The exchange shards q, k and v only: refuse anything else the model hands its attention that would need
+    sharding too, instead of silently using it on the wrong positions or heads."""
+    name = type(module).__name__
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.requires_grad:
+        raise ValueError(
+            f"{name} passes its attention a mask that carries learned values (attention_mask requires grad, e.g. a"
+            " learned per-key bias): UlyssesDeepSpeedStrategy's attention runs causal attention over the full"
+            " sequence and cannot shard such a mask, so those parameters would get no gradient. This architecture"
+            " cannot train under sequence parallelism; use sp_size=1."
+        )
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and key in _UNSHARDED_ATTENTION_TENSORS:
+            raise ValueError(
+                f"{name} passes its attention a tensor `{key}` {list(value.shape)} that UlyssesDeepSpeedStrategy's"
+                " exchange does not shard (it shards query, key and value over the sequence and the heads). This"
+                " architecture cannot train under sequence parallelism; use sp_size=1."
+            )
+
+
+
+def _refuse_unsupported_bidirectional(module: nn.Module, inner_name: str, context: StepContext) -> None:
+    """Bidirectional attention (encoders: BERT, ModernBERT) is exact under the exchange over rows without padding;
+    refuse what would let real tokens see pads or run a causal kernel."""
+    name = type(module).__name__
+    shard = context.shard_info
+    if context.ring_size > 1 or inner_name == "flex_attention":
+        raise ValueError(f"{name} attends bidirectionally (an encoder); under sequence parallelism that is supported"
+                         " with ring_size=1 and attn_implementation 'sdpa' or 'flash_attention_2/3'.")
+    if shard is None:
+        return
+    padded = shard.padded_len != shard.seq_len or (
+        shard.attention_mask is not None and not bool(shard.attention_mask.bool().all()))
+    if padded:
+        raise ValueError(
+            f"{name} attends bidirectionally (an encoder), and this batch has padding (a padding mask with zeros, or"
+            f" a row length {shard.seq_len} that the strategy pads to {shard.padded_len}, a multiple of the SP"
+            " layout): real tokens would attend to the pads, which the strategy's attention over the whole sequence"
+            " does not mask for encoders. Give encoders rows of equal length, a multiple of sp_size, without"
+            " padding (e.g. fixed-length chunks of packed text)."
+        )
+
+
+def packed_documents_error(impl: str) -> str:
+    return (
+        f"The batch packs several documents per row (position_ids restart at 0), but attn_implementation={impl!r}"
+        " would let them attend to each other. Use attn_implementation='flash_attention_2'/'flash_attention_3'"
+        " (varlen) or 'flex_attention' (document mask) on CUDA, or keep 'sdpa' and pass"
+        " `UlyssesDeepSpeedStrategy(..., sdpa_per_document=True)` (exact: one SDPA call per document)."
+    )
+
+
+def register_attention_functions() -> None:
+    """Add ``ulysses_<impl>`` for every supported ``<impl>`` to transformers' attention registry (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for inner_name in SUPPORTED_ATTENTION:
+        if _PREFIX + inner_name not in ALL_ATTENTION_FUNCTIONS:
+            AttentionInterface.register(_PREFIX + inner_name, _make_ulysses_attention(inner_name))

@@ -1,0 +1,249 @@
+"""ALST memory features for Hugging Face causal LMs, switched on per model and removed after the Trainer finishes.
+
+* **Tiled MLP**: each decoder layer's MLP runs on ``tiles`` slices of the sequence and is recomputed slice by slice in
+  backward, so the ``[s, intermediate]`` activations never exist for the whole shard. Same algorithm as DeepSpeed's
+  ``TiledMLP``, but with exactly ``tiles`` slices for every shard length (``torch.tensor_split``, empty slices
+  allowed): DeepSpeed's ``torch.chunk`` returns fewer chunks for some lengths (10 tokens in 6 tiles: 5 chunks),
+  and then never marks the weight gradients ready for ZeRO's reduction, and ranks with different lengths issue
+  different numbers of ZeRO-3 parameter gathers.
+* **Tiled logits + loss**: the LM head and the cross-entropy run on ``chunks`` slices of the sequence under
+  activation checkpointing, so the ``[s, vocab]`` logits exist for one slice at a time, in forward and backward.
+  The normalisation happens on the summed loss *outside* the chunks, through autograd (DeepSpeed's
+  ``TiledFusedLogitsLoss`` computes weight gradients inside its forward, where a later scale is lost).
+* **Checkpoint offload**: decoder layers run under activation checkpointing (``use_reentrant=False``) and the tensors
+  autograd keeps (the layer inputs) move to host memory until backward (tensors already on the host stay put).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_ulysses import _compat
+from lightning_ulysses.training.loss import cross_entropy_sum, step_loss_from_sum, token_statistics
+from lightning_ulysses.training.step_context import StepContext
+
+AUTO = "auto"
+TileSetting = Union[int, Literal["auto"]]
+# "auto" tile sizes. MLP: ALST's rule, one tile per `hidden_size` tokens (a tile's intermediate activations are then
+# about `intermediate/hidden` × the layer's weight-sized matrices). Loss: at most 2**24 logits per chunk (64 MiB in
+# fp32, e.g. 524 tokens at a 32K vocabulary), so the loss's memory no longer grows with the sequence.
+LOSS_CHUNK_LOGITS = 2**24
+
+
+@dataclass(frozen=True)
+class MemoryFeatures:
+    """Which features to switch on (all off by default).
+
+    ``tiled_mlp`` / ``tiled_loss``: a fixed number of sequence tiles (``0``: off), or ``"auto"``: as many as the step's
+    shard length needs for a bounded tile (the memory of that feature then stops growing with the sequence length).
+    """
+
+    tiled_mlp: TileSetting = 0  # sequence tiles per MLP call
+    tiled_loss: TileSetting = 0  # sequence chunks for LM head + loss
+    offload_checkpoints: bool = False  # checkpoint decoder layers, keep the checkpoints in CPU memory
+
+    def __post_init__(self) -> None:
+        for name in ("tiled_mlp", "tiled_loss"):
+            value = getattr(self, name)
+            if value == AUTO:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}={value!r}`: pass a number of tiles (0 = off) or \"auto\".")
+        if not isinstance(self.offload_checkpoints, bool):
+            raise ValueError(f"`offload_checkpoints={self.offload_checkpoints!r}`: pass True or False.")
+
+    @property
+    def any(self) -> bool:
+        return bool(self.tiled_mlp or self.tiled_loss or self.offload_checkpoints)
+
+    @property
+    def auto(self) -> bool:
+        """Whether a tile count depends on the step's shard length."""
+        return AUTO in (self.tiled_mlp, self.tiled_loss)
+
+
+def tile_count(setting: TileSetting, shard_len: int, tile_tokens: int) -> int:
+    """Tiles for a shard of ``shard_len`` tokens: ``setting`` itself, or for ``"auto"`` one per ``tile_tokens``."""
+    if setting == AUTO:
+        return max(1, math.ceil(shard_len / max(1, tile_tokens)))
+    return int(setting)
+
+
+def _agreed_shard_len(local_len: int, context: Optional[StepContext]) -> int:
+    """The shard length tile counts are computed from: the step's maximum over all ranks where the strategy needs
+    every rank to issue the same ZeRO-3 gathers (see ``StepContext.tile_shard_len``), else the local one."""
+    if context is not None and context.tile_shard_len is not None:
+        return context.tile_shard_len
+    return local_len
+
+
+_MEMORY_STATE = "_ulysses_memory_saved"
+
+
+def _decoder_mlps(model: nn.Module) -> list[nn.Module]:
+    return [m for name, m in model.named_modules() if name.endswith(".mlp") and hasattr(m, "forward")]
+
+
+def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepContext]) -> None:
+    """Switch ``features`` on for the Hugging Face causal LM ``model`` (undo with :func:`disable`)."""
+    if not features.any or _MEMORY_STATE in model.__dict__:
+        return
+    saved: dict[str, Any] = {"mlps": [], "forward": None, "checkpointing": False}
+    if features.tiled_mlp:
+        hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
+        for mlp in _decoder_mlps(model):
+            _tile_mlp(mlp, features.tiled_mlp, hidden_size, context)
+            saved["mlps"].append(mlp)
+    if features.tiled_loss or features.offload_checkpoints:
+        saved["forward"] = model.__dict__.get("forward")
+        model.forward = _memory_forward(model, features, context)  # type: ignore[method-assign]
+    if features.offload_checkpoints:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        saved["checkpointing"] = True
+    model.__dict__[_MEMORY_STATE] = saved
+
+
+def disable(model: nn.Module) -> None:
+    saved = model.__dict__.pop(_MEMORY_STATE, None)
+    if saved is None:
+        return
+    for mlp in saved["mlps"]:
+        mlp.__dict__.pop("forward", None)
+    if "forward" in model.__dict__:
+        del model.forward
+    if saved["forward"] is not None:
+        model.forward = saved["forward"]
+    if saved["checkpointing"]:
+        model.gradient_checkpointing_disable()
+
+
+def _tile_mlp(mlp: nn.Module, setting: TileSetting, hidden_size: int, context: Optional[StepContext]) -> None:
+    original = type(mlp).forward.__get__(mlp)
+    params = [p for p in mlp.parameters() if p.requires_grad]
+
+    def tiled_forward(x: torch.Tensor) -> torch.Tensor:  # x: [B, s, H]
+        tiles = tile_count(setting, _agreed_shard_len(x.shape[-2], context), hidden_size or x.shape[-1])
+        return TiledMLP.apply(original, x, tiles, params)
+
+    mlp.forward = tiled_forward  # type: ignore[method-assign]
+
+
+class TiledMLP(torch.autograd.Function):
+    """``mlp(x)`` computed on exactly ``tiles`` slices of the sequence dimension (-2), keeping only ``x`` for
+    backward, where each slice is recomputed and back-propagated on its own.
+
+    Exactly ``tiles`` slices for every length (``torch.tensor_split``; slices may be empty): every rank runs the MLP
+    the same number of times (ZeRO-3 gathers its weights per call), and the last slice is known, so the weights'
+    gradients are marked ready for ZeRO's reduction (``ds_grad_is_ready``) only once all slices have added theirs.
+    """
+
+    @staticmethod
+    def forward(ctx, mlp, x: torch.Tensor, tiles: int, params: list[torch.Tensor]) -> torch.Tensor:
+        # ``params`` is a list, not tensor arguments: as inputs of this node their AccumulateGrad nodes would run
+        # again (with no gradient) after this backward, and ZeRO's hooks on them would reduce a second time.
+        ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            outputs = [mlp(x_tile) for x_tile in torch.tensor_split(x, tiles, dim=-2)]  # tiles × [B, s/tiles, H]
+        return torch.cat(outputs, dim=-2)  # [B, s, H]
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[1] else None  # [B, s, H]
+        x_tiles = torch.tensor_split(x.detach(), ctx.tiles, dim=-2)
+        grad_tiles = torch.tensor_split(grad_output, ctx.tiles, dim=-2)
+        start = 0
+        for index, (x_tile, grad_tile) in enumerate(zip(x_tiles, grad_tiles)):
+            last = index == ctx.tiles - 1
+            for param in ctx.params:  # ZeRO reduces a weight's gradient once every slice has added to it
+                _compat.defer_zero3_gradient(param, ready=last)
+            x_tile = x_tile.requires_grad_(grad_x is not None)
+            with torch.enable_grad():
+                out_tile = ctx.mlp(x_tile)
+            torch.autograd.backward(out_tile, grad_tile)  # adds to the weights' .grad (and to x_tile.grad)
+            if grad_x is not None:
+                length = x_tile.shape[-2]
+                grad_x.narrow(-2, start, length).copy_(x_tile.grad)
+                start += length
+        return None, grad_x, None, None
+
+
+def _memory_forward(model: nn.Module, features: MemoryFeatures, context: Optional[StepContext]):
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    original = type(model).forward.__get__(model)
+
+    def forward(*args: Any, labels: Optional[torch.Tensor] = None, shift_labels: Optional[torch.Tensor] = None,
+                **kwargs: Any):
+        offload = features.offload_checkpoints and torch.is_grad_enabled()
+        saving = _offload_to_host() if offload else contextlib.nullcontext()
+        with saving:
+            if not features.tiled_loss or (labels is None and shift_labels is None):
+                return original(*args, labels=labels, shift_labels=shift_labels, **kwargs)
+            hidden = model.base_model(*args, **kwargs).last_hidden_state  # [B, s, H]
+            if shift_labels is None:
+                raise ValueError("Tiled loss needs `shift_labels` (the strategy's collate step adds them).")
+            lm_head = model.get_output_embeddings()
+            chunk_tokens = LOSS_CHUNK_LOGITS // max(1, int(lm_head.weight.shape[0]))
+            chunks = tile_count(features.tiled_loss, _agreed_shard_len(hidden.shape[1], context), chunk_tokens)
+            if torch.is_grad_enabled() or context is None:
+                local_sum = tiled_cross_entropy_sum(hidden, lm_head, shift_labels, chunks)
+            else:  # evaluation: per-token losses chunk by chunk (no backward, so no checkpointing)
+                context.token_stats = tiled_token_statistics(hidden, lm_head, shift_labels, chunks)
+                local_sum = context.token_stats[0].sum()
+            return CausalLMOutputWithPast(loss=step_loss_from_sum(context, local_sum, shift_labels), logits=None)
+
+    return forward
+
+
+def _offload_to_host() -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved tensors on an accelerator move to (pinned) host memory until backward; host tensors stay as they are
+    (``torch.autograd.graph.save_on_cpu`` would copy them, doubling what it should save)."""
+
+    def pack(tensor: torch.Tensor):
+        if tensor.device.type == "cpu":
+            return tensor
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return tensor.device, host
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def tiled_cross_entropy_sum(hidden: torch.Tensor, lm_head: nn.Module, shift_labels: torch.Tensor,
+                            chunks: int) -> torch.Tensor:
+    """``sum(CE(lm_head(hidden), shift_labels))`` over valid tokens with only one chunk's logits alive at a time.
+
+    ``hidden [B, s, H]``, ``shift_labels [B, s]``; each chunk's logits are recomputed in backward. Exactly ``chunks``
+    calls of ``lm_head`` for every length (empty chunks allowed), so ZeRO-3 gathers its weight equally on every rank.
+    """
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for h, y in zip(torch.tensor_split(hidden, chunks, dim=1), torch.tensor_split(shift_labels, chunks, dim=1)):
+        total = total + checkpoint(_chunk_loss_sum, h, y, lm_head, use_reentrant=False)
+    return total
+
+
+def tiled_token_statistics(hidden: torch.Tensor, lm_head: nn.Module, shift_labels: torch.Tensor,
+                           chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~lightning_ulysses.training.loss.token_statistics` with one chunk's logits alive at a time (no gradients)."""
+    parts = [token_statistics(lm_head(h), y) for h, y in zip(torch.tensor_split(hidden, chunks, dim=1),
+                                                              torch.tensor_split(shift_labels, chunks, dim=1))]
+    return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)  # [B, s] each
+
+
+def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    return cross_entropy_sum(lm_head(hidden), labels)  # [B, c, V] logits: one chunk only

@@ -1,0 +1,182 @@
+"""The models of a LightningModule, found, validated and prepared for one Trainer stage, and put back after it.
+
+:class:`PreparedModels` finds every Hugging Face ``PreTrainedModel``, every declared attention core, every LitGPT
+``GPT`` and every own model that takes positions; refuses what is not supported before any compute; switches each to
+its sequence-parallel form; and enters every change into the strategy's :class:`~lightning_ulysses.patches.PatchStack`,
+so that closing the stack in teardown gives every model back as it was.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.nn import Module
+
+from lightning_ulysses.models import (
+    building,
+    calls,
+    form_check,
+    generation,
+    hf,
+    hf_attention,
+    litgpt,
+    memory,
+    moe,
+    refusals,
+)
+from lightning_ulysses.parallel.attention import (
+    ModuleSelector,
+    find_attention_cores,
+    unwrap_attention_core,
+    wrap_attention_core,
+)
+from lightning_ulysses.parallel.layout import SequenceParallelLayout
+from lightning_ulysses.patches import PatchStack
+from lightning_ulysses.training.step_context import StepContext
+
+
+class PreparedModels:
+    """What the strategy prepared in the LightningModule for the current stage (empty outside a stage)."""
+
+    def __init__(self) -> None:
+        self.hf_models: list[Module] = []  # Hugging Face PreTrainedModels
+        self.cores: list[Module] = []  # declared attention cores of own models
+        self.own_roots: list[Module] = []  # own models whose forward takes positions (call completion)
+        self.litgpt: list[Module] = []  # LitGPT GPTs
+        self.form_check_roots: list[Module] = []  # own models the model-form check runs
+
+    def prepare(self, lightning_module: Module, context: StepContext, patches: PatchStack, *,
+                attention_modules: Sequence[ModuleSelector], ring_size: int, device_type: str,
+                memory_features: memory.MemoryFeatures, fitting: bool) -> None:
+        """Validate and switch every model of ``lightning_module`` to its sequence-parallel form (before any
+        compute); every change goes into ``patches``."""
+        sp_size = context.gradients.sp_size
+        refusals.refuse_tuning_callbacks(lightning_module.trainer.callbacks)
+        models = hf.find_pretrained_models(lightning_module)
+        cores = [m for _, m in find_attention_cores(lightning_module, attention_modules)]
+        gpts = litgpt.find_litgpt_models(lightning_module)
+        if not models and not cores and not gpts and sp_size > 1:
+            raise ValueError(
+                f"UlyssesDeepSpeedStrategy(sp_size={sp_size}) found no Hugging Face PreTrainedModel and no"
+                " attention core in the LightningModule, so there is no attention to run over the whole sequence:"
+                " each rank would attend only within its own shard and train a different model. Declare your"
+                " attention cores with `attention_modules=[...]` (classes or name patterns; see"
+                " docs/data-and-training-step.md, 'Your own model'), mark them with `ulysses_attention_core = True`,"
+                " or use `sp_size=1`."
+            )
+        for model in models:
+            refusals.validate_model(model, sp_size, device_type, ring_size)
+        for model in gpts:
+            refusals.validate_litgpt_model(model, sp_size, ring_size)
+        if cores and ring_size > 1:
+            raise ValueError(
+                f"attention_modules (your own attention cores) are not supported with ring_size={ring_size} yet:"
+                " use ring_size=1."
+            )
+        hf_attention.register_attention_functions()
+        for model in models:
+            patches.apply(f"{type(model).__name__}: Ulysses attention and SP loss",
+                          lambda m=model: hf.prepare_model(m, context), lambda m=model: hf.restore_model(m))
+            patches.apply(f"{type(model).__name__}: memory features",
+                          lambda m=model: memory.enable(m, memory_features, context), lambda m=model: memory.disable(m))
+            patches.apply(f"{type(model).__name__}: plain generate",
+                          lambda m=model: generation.install_plain_generate(m, context, context.zero_stage_3),
+                          lambda m=model: generation.remove_plain_generate(m))
+        patches.enter("transformers: MoE load-balancing loss", moe.exact_load_balancing_loss(models, context))
+        if fitting:
+            modes = building.train_mode_for_fit(models)
+            patches.apply("train mode for fit", lambda: None, lambda: building.restore_modes(modes))
+        for model in gpts:
+            patches.apply(f"{type(model).__name__}: LitGPT attention and RoPE",
+                          lambda m=model: litgpt.prepare_litgpt(m, context),
+                          lambda m=model: litgpt.restore_litgpt(m))
+        for core in cores:
+            patches.apply(f"{type(core).__name__}: attention core",
+                          lambda c=core: wrap_attention_core(c, context.sp_group, context),
+                          lambda c=core: unwrap_attention_core(c))
+        # Own models: the outermost modules around the attention cores whose forward takes `position_ids` get the
+        # shard's positions when called without them.
+        own_roots = calls.position_taking_roots(lightning_module, cores)
+        for root in own_roots:
+            patches.apply(f"{type(root).__name__}: call completion",
+                          lambda r=root: calls.install_call_completion(r, context, hf_model=False),
+                          lambda r=root: calls.remove_call_completion(r))
+        self.hf_models, self.cores, self.own_roots, self.litgpt = models, cores, own_roots, gpts
+        self.form_check_roots = form_check.own_model_roots(lightning_module, cores, models, own_roots)
+        patches.apply("prepared-model lists", lambda: None, self._forget)
+
+    def _forget(self) -> None:
+        self.hf_models, self.cores, self.own_roots, self.litgpt, self.form_check_roots = [], [], [], [], []
+
+    # ------------------------------------------------------------------------------------------ during a stage
+    def reinstall_hooks(self, context: StepContext) -> None:
+        """The prepared models' forward pre-hooks again, after Lightning's DeepSpeed inference set-up removed every
+        module's hooks (``remove_module_hooks``): without them a call during ``trainer.predict/test/validate`` would
+        get positions counted from 0 on every rank."""
+        for model in self.hf_models:
+            hf.reinstall_hooks(model, context)
+        for root in self.own_roots:
+            calls.remove_call_completion(root)
+            calls.install_call_completion(root, context, hf_model=False)
+        for model in self.litgpt:
+            litgpt.reinstall_hooks(model, context)
+
+    def check_hooks(self) -> None:
+        """Every prepared model still has its call-completion hook (checked before each step: something that clears
+        module hooks after the strategy prepared the models would otherwise let shards run as whole sequences)."""
+        for model in [*self.hf_models, *self.own_roots, *self.litgpt]:
+            present = (litgpt.has_hooks(model) if litgpt.is_litgpt_gpt(model)
+                       else calls.has_call_completion(model))
+            if not present:
+                raise RuntimeError(
+                    f"The forward pre-hook UlyssesDeepSpeedStrategy installed on {type(model).__name__} is gone:"
+                    " something removed the module hooks after the strategy prepared the model (Lightning's DeepSpeed"
+                    " inference set-up does, and the strategy installs them again after it; a newer Lightning may do"
+                    " it elsewhere). Without it the model's calls would get positions of the shard counted from 0."
+                    " Please report this with your Lightning version."
+                )
+
+    def refuse_unsupported_packing(self, sdpa_per_document: bool) -> None:
+        """A batch packs several documents per row: every model's attention must keep them apart."""
+        for model in self.hf_models:
+            impl = hf_attention.attention_implementation(model)
+            if not hf_attention.keeps_documents_apart(impl, sdpa_per_document):
+                raise ValueError(hf_attention.packed_documents_error(impl))
+
+    def pad_token_id(self) -> int:
+        """The first prepared model's ``pad_token_id`` (what the collate step pads rows with), else 0."""
+        for model in self.hf_models:
+            pad = getattr(model.config, "pad_token_id", None)
+            if pad is not None:
+                return int(pad)
+        return 0
+
+    def check_form(self, batch: Any, context: StepContext, layout: SequenceParallelLayout,
+                   device: torch.device) -> bool:
+        """The model-form check (:mod:`lightning_ulysses.models.form_check`) on the first step's batch; ``False`` when the
+        batch gives nothing to probe with."""
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        if context.shard_info is None or not isinstance(ids, torch.Tensor):
+            return False
+        probe = form_check.build_probe(context.shard_info, ids, layout.geometry, layout.sp_rank, layout.sp_group,
+                                       form_check.longest_window(self.hf_models))
+        targets = [(m, form_check.whole_hf_call, form_check.sharded_hf_call) for m in self.hf_models]
+        targets += [(root, form_check.whole_own_call, form_check.sharded_own_call) for root in self.form_check_roots]
+        targets += [(m, form_check.whole_litgpt_call, form_check.sharded_own_call) for m in self.litgpt]
+        form_check.check_model_form(targets, probe, context, device, lambda: self.plain(context))
+        return True
+
+    @contextmanager
+    def plain(self, context: StepContext) -> Iterator[None]:
+        """Every prepared model and attention core runs plain (unsharded) inside the block."""
+        with ExitStack() as stack:
+            for model in self.hf_models:
+                stack.enter_context(hf.plain_mode(model, context))
+            context.plain = True
+            try:
+                yield
+            finally:
+                context.plain = False
+

@@ -1,0 +1,148 @@
+"""SP-peer agreement: every rank of an SP group must cut its shard from the SAME full batch.
+
+If peers hold different samples (a user's own ``DistributedSampler`` over the whole world, an ``IterableDataset``
+split by global rank, random augmentation seeded per rank), equal lengths train on stitched shards of different
+samples with normal-looking losses, unequal lengths abort inside the all-to-all, and unequal batch counts hang. So
+the collate step fingerprints the full batch before cutting the shard
+(:func:`lightning_ulysses.data.fingerprint.batch_fingerprint`, in the loader's workers), and before each step's compute the SP group compares fingerprints with one tiny all-reduce
+(:class:`SPAgreement`). A rank whose loader is exhausted takes part once more with an end-of-data marker, so a peer
+that still has a batch fails the comparison instead of waiting forever in its next collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+END_OF_DATA = -1  # the fingerprint a rank reports when its loader has no further batch
+class SPPeerMismatchError(RuntimeError):
+    """The ranks of an SP group do not hold the same full batch (or not the same number of batches)."""
+
+
+class SPLossMismatchError(RuntimeError):
+    """The loss a training step back-propagates is not the same function on every rank of an SP group."""
+
+
+# Stands for NaN in the loss comparison, so that NaN on every rank reads as the same loss, not a mismatch. The check
+# is one all-reduce MAX of ``[v, -v]`` that compares the group's max with its min, and NaN cannot take part: NaN != NaN,
+# and how MAX treats NaN depends on the backend. So NaN becomes this finite float64 before the reduction: its negation
+# is exact, no loss or gradient sum of a training step comes near it, and messages show it as "nan".
+NAN_SENTINEL = -1.2345e300
+
+
+def _comparable(value: float) -> float:
+    return NAN_SENTINEL if value != value else value
+
+
+_STEP_REPLACEMENT = (
+    "    out = self.model(**batch)                 # or self.model(input_ids=batch[\"input_ids\"])\n"
+    "    loss = out.loss                           # or self.trainer.strategy.cross_entropy(out.logits,"
+    " batch[\"shift_labels\"])"
+)
+
+
+def loss_mismatch_message(ranks: list[int], where: str, low: float, high: float) -> str:
+    return (
+        f"UlyssesDeepSpeedStrategy: the loss of the {where} differs between the ranks {ranks} of one"
+        f" sequence-parallel group (from {_show(low)} to {_show(high)}); no weight was changed. Each rank holds a"
+        " slice of every sequence, so a loss computed from this rank's tokens alone is a different function on every"
+        " rank and would train the wrong weights. Likely code: (1) `F.cross_entropy(...)` on the shard's logits (a"
+        " mean over this rank's tokens), also with your own shift (`logits[:, :-1]` against `input_ids[:, 1:]`,"
+        " which also drops the target at every shard boundary); (2) an extra term on shard tensors, e.g."
+        " `0.01 * logits.pow(2).mean()`; (3) losses combined by hand across ranks. Fix: take means over the whole"
+        " sequence with the strategy's losses, which are the same number on every rank:\n" + _STEP_REPLACEMENT +
+        "\nPer-token values or weights: `self.trainer.strategy.token_mean(values, weights)`,"
+        " `self.trainer.strategy.cross_entropy(logits, batch[\"shift_labels\"], weight=w)`. Terms that are the same"
+        " on every rank (a weight regulariser) can be added as they are. The check runs before every optimizer step;"
+        " `UlyssesDeepSpeedStrategy(check_sp_agreement=False)` turns it off."
+    )
+
+
+def gradient_mismatch_message(ranks: list[int], where: str, low: list[float], high: list[float]) -> str:
+    """``low``/``high``: the group's min/max of (number of SP losses back-propagated, sum of their gradients, ...)."""
+    if low[0] != high[0]:
+        detail = f"the strategy's SP losses were back-propagated {int(low[0])} to {int(high[0])} times per rank"
+    else:
+        detail = f"the gradients reaching them sum to {_show(low[1])} .. {_show(high[1])} across the ranks"
+    return (
+        f"UlyssesDeepSpeedStrategy: the loss of the {where} is the same number on the ranks {ranks} of one"
+        f" sequence-parallel group, but not the same function of the strategy's SP losses: {detail}; no weight was"
+        " changed. This is what combining per-rank losses with rank-dependent weights does, e.g. the loss code of"
+        " DeepSpeed's / accelerate's Ulysses tutorial (a differentiable all-gather of every rank's loss, weighted by"
+        " its token count). The strategy's losses (`self.model(**batch).loss`, `strategy.cross_entropy`,"
+        " `strategy.token_mean`) already are the whole batch's token mean with exact gradients: return them as they"
+        " are (scaling or adding terms that are the same on every rank is fine):\n" + _STEP_REPLACEMENT
+    )
+
+
+def _show(value: float) -> str:
+    return "nan" if value == NAN_SENTINEL else f"{value:.9g}"
+
+
+class SPAgreement:
+    """Compares the batch every rank of an SP group is about to train on (one all-reduce of 6 int64 per step).
+
+    Args:
+        group: the SP group.
+        group_ranks: its global ranks (for the error message).
+        device: where the collective's tensor lives (CUDA for nccl).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, group_ranks: list[int], device: torch.device) -> None:
+        self.group = group
+        self.group_ranks = group_ranks
+        self.device = device
+
+    def verify(self, fingerprint: int, seq_len: int, batch_size: int, where: str) -> None:
+        """Raise :class:`SPPeerMismatchError` on every rank of the group unless all hold the same batch."""
+        # [6] int64: (S, B, fp) and their negatives; MAX over the group gives each one's max and -min.
+        values = torch.tensor([seq_len, batch_size, fingerprint], dtype=torch.int64)
+        both = torch.cat([values, -values]).to(self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        high, low = both[:3].tolist(), [-v for v in both[3:].tolist()]
+        if high != low:
+            raise SPPeerMismatchError(self._message(where, high, low))
+
+    def verify_loss(self, value: torch.Tensor, incoming: list[torch.Tensor], where: str) -> None:
+        """Raise :class:`SPLossMismatchError` on every rank of the group unless the loss a step back-propagated is the
+        same number on every rank, and so is the gradient that reached each of the strategy's SP losses (one all-reduce
+        of 8 float64 per backward pass)."""
+        gradients = [float(g.double().sum()) for g in incoming]
+        loss = float(value.detach().double().sum()) if value.numel() == 1 else float("nan")
+        values = torch.tensor([_comparable(loss), float(len(gradients)), sum(gradients),
+                               sum((i + 1) * g for i, g in enumerate(gradients))], dtype=torch.float64)
+        values = torch.nan_to_num(values, nan=NAN_SENTINEL)
+        both = torch.cat([values, -values]).to(self.device)  # [8]: MAX over the group gives max and -min of each
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        high, low = both[:4].tolist(), [-v for v in both[4:].tolist()]
+        if high[0] != low[0]:
+            raise SPLossMismatchError(loss_mismatch_message(self.group_ranks, where, low[0], high[0]))
+        if high[1:] != low[1:]:
+            raise SPLossMismatchError(gradient_mismatch_message(self.group_ranks, where, low[1:], high[1:]))
+
+    def verify_end_of_data(self, where: str) -> None:
+        """Called when this rank's loader is exhausted; fails if a peer still has a batch."""
+        self.verify(END_OF_DATA, END_OF_DATA, END_OF_DATA, where)
+
+    def _message(self, where: str, high: list[int], low: list[int]) -> str:
+        if low[2] == END_OF_DATA:
+            what = ("some ranks' data loaders ran out of batches while others still had one (unequal numbers of"
+                    " batches)")
+        elif high[0] != low[0] or high[1] != low[1]:
+            what = (f"the ranks hold full batches of different shapes ([B, S] from [{low[1]}, {low[0]}] to"
+                    f" [{high[1]}, {high[0]}])")
+        else:
+            what = "the ranks hold different full batches of the same shape (their contents differ)"
+        return (
+            f"UlyssesDeepSpeedStrategy: the ranks {self.group_ranks} of one sequence-parallel group must train on the"
+            f" SAME full batch ({where}), and {what}. The strategy cuts every rank's shard from the full batch, so"
+            " SP peers must read identical samples; only data-parallel replicas read different ones. Likely causes:"
+            " (1) your own `DistributedSampler(dataset)`: it splits over all ranks; use"
+            " `DistributedSampler(dataset, num_replicas=trainer.strategy.dp_size, rank=trainer.strategy.dp_rank)` or"
+            " let Lightning add the sampler (`use_distributed_sampler=True`, the default);"
+            " (2) an `IterableDataset` that splits its stream by global rank: split by `trainer.strategy.dp_rank`"
+            " of `trainer.strategy.dp_size` instead;"
+            " (3) random cropping/augmentation seeded per rank (e.g. `worker_init_fn` using the global rank, or"
+            " per-rank seeds): seed it by the data-parallel rank. The check runs before every step; turn it off"
+            " with `UlyssesDeepSpeedStrategy(check_sp_agreement=False)` only if your peers provably agree."
+        )

@@ -1,0 +1,247 @@
+"""One object runs every step: :class:`StepRunner` holds the per-step state (the step context the prepared models
+read, the queues of shard facts the loaders fill, the step batch's ``shift_labels``, the SP-peer agreement check,
+the accumulation window, the gradient factors) and is the only code that reads or writes it.
+
+The strategy's Lightning hooks call its small surface: :meth:`StepRunner.step` around every
+training/validation/test/predict step, :meth:`StepRunner.backward` around the training step's backward pass,
+:meth:`StepRunner.follow_accumulation` before a training step, :meth:`StepRunner.gather_prediction` after a predict
+step; the strategy's public step API (``strategy.cross_entropy``, ``token_mean``, ...) is the rest of it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn import Module
+
+from lightning_ulysses.context import SHARD_INFO_KEY, ShardInfo
+from lightning_ulysses.data import halo
+from lightning_ulysses.data.loaders import ShardInfoQueue
+from lightning_ulysses.parallel.layout import SequenceParallelLayout
+from lightning_ulysses.parallel.outputs import gather_sequence_outputs
+from lightning_ulysses.training.agreement import SPAgreement
+from lightning_ulysses.training.loss import (
+    broadcast_token_weights,
+    scale_gradient,
+    step_cross_entropy,
+    step_token_mean,
+    zero3_parameters_outside_forward_error,
+)
+from lightning_ulysses.training.step_context import StepContext
+
+if TYPE_CHECKING:  # the models layer sits above this one: only its type is named here
+    from lightning_ulysses.models.preparation import PreparedModels
+
+STEP_KINDS = ("train", "validate", "test", "predict")
+
+
+class StepRunner:
+    """Runs the strategy's part of every step (see the module docstring).
+
+    Args:
+        layout: the DP×SP layout (groups, ranks, geometry).
+        context: the step context the prepared models' attention and loss read.
+        models: the prepared models (hooks check, packed-document support, the model-form check).
+        agreement: the SP-peer agreement check, or ``None`` when it is off.
+        device: the device of this rank's collectives.
+        agree_on_tile_counts: tile counts follow the shard length under ZeRO-3 with several replicas, so every rank
+            must run the step's longest shard's count (:meth:`_agreed_tile_shard_len`).
+        gather_predictions: gather per-token ``predict_step`` outputs to the full sequence.
+        check_model_form: run the model-form check before the first step of every stage.
+    """
+
+    def __init__(self, layout: SequenceParallelLayout, context: StepContext, models: "PreparedModels",
+                 agreement: Optional[SPAgreement], device: torch.device, agree_on_tile_counts: bool,
+                 gather_predictions: bool, check_model_form: bool) -> None:
+        self.layout = layout
+        self.context = context
+        self.models = models
+        self.agreement = agreement
+        self.device = device
+        self.agree_on_tile_counts = agree_on_tile_counts
+        self.gather_predictions = gather_predictions
+        self.check_model_form = check_model_form and layout.sp_size > 1
+        self.queues = {kind: ShardInfoQueue() for kind in STEP_KINDS}
+        self.shift_labels: Optional[torch.Tensor] = None  # the running step's batch["shift_labels"]
+        self.form_check_pending = False
+        self.form_checks_run = 0
+
+    def begin_stage(self) -> None:
+        """A Trainer stage starts (fit, validate, test, predict): the model-form check runs before its first step."""
+        self.form_check_pending = self.check_model_form
+
+    # ------------------------------------------------------------------------------------------ around a step
+    @contextmanager
+    def step(self, kind: str, batch: Any) -> Iterator[None]:
+        """Around a ``kind`` step of ``batch``: its shard facts into the step context (checked first), the model-form
+        check before the stage's first step, the context's in-step state cleared after."""
+        self._begin(kind, batch)
+        context = self.context
+        self.shift_labels = batch.get("shift_labels") if isinstance(batch, dict) else None
+        context.in_step = True
+        context.step_batch_tensors = ({key: batch.get(key) for key in ("position_ids", "attention_mask",
+                                                                        "shift_labels")}
+                                      if isinstance(batch, dict) else {})
+        if kind == "train":
+            context.incoming_gradients = []
+        if self.form_check_pending:  # before the first step of this stage computes anything
+            self.form_check_pending = False
+            if self.models.check_form(batch, context, self.layout, self.device):
+                self.form_checks_run += 1
+        try:
+            yield
+        finally:
+            context.in_step = False
+            self.shift_labels = None
+
+    def _begin(self, kind: str, batch: Any) -> None:
+        """Take the facts of this step's batch from the queue its loader filled (before any compute): check that the
+        SP peers hold the same batch, check packing support, and put them into the step context."""
+        if batch is not None and hasattr(batch, "__next__"):
+            raise ValueError(
+                f"UlyssesDeepSpeedStrategy does not support a {kind} step that takes the dataloader iterator"
+                " (`dataloader_iter`): the strategy pairs every batch with its sharding facts when the loop fetches"
+                " it. Take `batch` as the step's argument instead."
+            )
+        self.models.check_hooks()
+        shard = self.queues[kind].pop()
+        if shard is None:
+            raise RuntimeError(
+                f"UlyssesDeepSpeedStrategy has no sharding facts for this {kind} batch: it did not come from a"
+                " DataLoader the strategy prepared (Lightning passes every loader of the Trainer through"
+                " `strategy.process_dataloader`; iterating a loader yourself inside a step is not supported)."
+            )
+        if self.agreement is not None and shard.fingerprint is not None:
+            self.agreement.verify(shard.fingerprint, shard.seq_len, shard.batch_size, where=f"{kind} step")
+        if shard.packed and self.layout.ring_size == 1:  # the ring kernel keeps documents apart itself
+            self.models.refuse_unsupported_packing(self.context.sdpa_per_document)
+        self._enter_shard(shard)
+
+    def _enter_shard(self, shard: ShardInfo) -> None:
+        self.context.shard_info = shard
+        self.context.tile_shard_len = self._agreed_tile_shard_len(shard)
+        self.context.token_stats = None
+
+    def _agreed_tile_shard_len(self, shard: ShardInfo) -> Optional[int]:
+        """With tile counts that follow the shard length under ZeRO-3 and several replicas, the step's longest shard
+        over all ranks (one scalar all-reduce per step), so that every rank runs as many tiles: ZeRO-3 gathers the
+        tiled modules' weights once per tile and all ranks must issue the same gathers. Else ``None``."""
+        if not self.agree_on_tile_counts:
+            return None
+        local = torch.tensor([shard.padded_len // self.layout.sp_size], dtype=torch.int64, device=self.device)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)  # [1]: max shard length, world
+        return int(local.item())
+
+    # ------------------------------------------------------------------------------------------ training
+    def follow_accumulation(self, engine: Any, window_continues: Callable[[], bool]) -> None:
+        """DeepSpeed's accumulation boundary (gradient reduction and optimizer step) follows Lightning's windows:
+        ``window_continues()`` is Lightning's answer for the coming micro-batch."""
+        if self.context.gradients.accumulation > 1:
+            engine.set_gradient_accumulation_boundary(not window_continues())
+
+    def backward(self, loss: torch.Tensor, run_backward: Callable[[torch.Tensor], Any], zero_stage_3: bool,
+                 where: str) -> None:
+        """Back-propagate the step's ``loss`` through ``run_backward`` with the whole-loss gradient factor (terms that
+        are the same on every rank stay exact), then, before any weight changes, check that the SP peers
+        back-propagated the same loss through the same use of the strategy's SP losses."""
+        context = self.context
+        received = context.incoming_gradients  # the SP losses of this step's forward record into this list
+        value = loss.detach()
+        try:
+            run_backward(scale_gradient(loss, context.gradients.whole_loss))
+        except RuntimeError as err:
+            if zero_stage_3 and "invalid gradient" in str(err) and "got [0]" in str(err):
+                raise ValueError(zero3_parameters_outside_forward_error()) from err
+            raise
+        finally:
+            context.incoming_gradients = []  # for the next forward pass
+        if self.agreement is not None:
+            self.agreement.verify_loss(value, received, where=where)
+
+    # ------------------------------------------------------------------------------------------ predictions
+    def gather_prediction(self, output: Any, local_shape: Optional[tuple[int, int]]) -> Any:
+        """A predict step's per-token outputs (``[B, s, ...]``) gathered to the full ``[B, S, ...]`` on every SP rank
+        (in sequence order, also for ring's zigzag shards); other outputs unchanged."""
+        shard = self.context.shard_info
+        if not self.gather_predictions or local_shape is None or shard is None:
+            return output
+        geometry = self.layout.geometry
+        order = geometry.full_order(shard.padded_len) if geometry.contiguous_span(shard.padded_len, 0) is None else None
+        return gather_sequence_outputs(output, local_shape, shard.seq_len, self.layout.sp_group, order)
+
+    # ------------------------------------------------------------------------------------------ step API
+    def shard_positions(self, shard_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
+        """``[shard_len]`` global positions of this rank's shard of a padded row of ``shard_len · sp`` tokens."""
+        index = self.layout.geometry.shard_index(shard_len * self.layout.sp_size, self.layout.sp_rank)
+        return index.to(device or self.device)
+
+    def token_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        stats = self.context.token_stats
+        if stats is None:
+            raise RuntimeError(
+                "No per-token losses recorded for this step: they come from the loss of a prepared Hugging Face"
+                " model's forward pass with labels, run without gradients (validation/test/predict). Call"
+                " `self.model(**batch)` with the batch's labels first."
+            )
+        return stats
+
+    def cross_entropy(self, logits: torch.Tensor, shift_labels: torch.Tensor,
+                      weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return step_cross_entropy(self.context, logits, shift_labels, weight=weight)
+
+    def token_mean(self, values: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        shard = self.context.shard_info
+        if shard is None or shard.shard_shape is None:
+            raise RuntimeError("token_mean is for use inside a step, on tensors of this rank's shard.")
+        if tuple(values.shape[:2]) != shard.shard_shape:
+            raise ValueError(f"token_mean: values must be [B, s] = {list(shard.shard_shape)} (this rank's shard),"
+                             f" got {list(values.shape)}.")
+        if mask is None:
+            mask = self._default_token_mask(shard)
+        w = mask.to(values.device).float()
+        if weights is not None:
+            w = w * broadcast_token_weights(weights, values)
+        return step_token_mean(self.context, values, w)
+
+    def _default_token_mask(self, shard: ShardInfo) -> torch.Tensor:
+        """``[B, s]`` bool: the step's target tokens, or without labels its real tokens."""
+        if self.shift_labels is not None:
+            return self.shift_labels != -100
+        real = torch.ones(shard.shard_shape, dtype=torch.bool)  # type: ignore[arg-type]
+        if shard.attention_mask is not None:
+            real &= shard.attention_mask.bool()
+        real &= shard.global_index[None, :] < shard.seq_len  # not the padding to the SP multiple
+        return real
+
+    def next_token_values(self, values: torch.Tensor, fill: Any = 0) -> torch.Tensor:
+        shard = self.context.shard_info
+        if shard is None or shard.halo is None:
+            raise RuntimeError("next_token_values is for use inside a step, on tensors of this rank's shard.")
+        return halo.next_token_values(values, shard, self.layout.sp_group, fill)
+
+    @torch.no_grad()
+    def evaluate_full_batch(self, model: Module, batch: dict[str, torch.Tensor], pad_token_id: int
+                            ) -> dict[str, torch.Tensor]:
+        """``model`` on this rank's shard of a full ``batch``, outside the Trainer's loops (see the strategy's
+        ``evaluate_full_batch``)."""
+        from lightning_ulysses.data.sharding import shard_batch
+
+        layout = self.layout
+        shard = shard_batch(batch, layout.sp_size, layout.sp_rank, pad_token_id, ring_size=layout.ring_size)
+        info = shard.pop(SHARD_INFO_KEY)
+        context = self.context
+        previous = context.shard_info, context.tile_shard_len, context.token_stats, context.in_step
+        self._enter_shard(info)
+        context.in_step = True
+        try:
+            shard = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
+            model(**shard)
+            losses, correct = self.token_stats()
+        finally:
+            context.shard_info, context.tile_shard_len, context.token_stats, context.in_step = previous
+        return {"loss": losses, "correct": correct, "shift_labels": shard["shift_labels"],
+                "position_ids": shard["position_ids"]}
