@@ -582,3 +582,38 @@ def test_geometry_cuts_every_padded_row_into_the_layouts_shards(sp, ring):
         restored = torch.empty_like(row)
         restored[geometry.full_order(padded)] = gathered
         assert torch.equal(restored, row)
+        assert geometry.shard_length(seq_len) == padded // sp
+        span = geometry.contiguous_span(padded, sp - 1)
+        if ring == 1:
+            assert torch.equal(torch.arange(padded)[span], shards[-1])
+        else:
+            assert span is None
+
+
+def test_tile_agreement_uses_the_shard_the_geometry_places_with_ring():
+    """The step runner's agreed tile length is the step's padded shard (``padded_len / sp``), which with ring pads to
+    a multiple of 2·sp: ceil(S/sp) was 1 short here (S=10, sp=4, ring 2: 16/4 = 4, not 3). One process, a real gloo
+    group of one rank (the all-reduce's MAX is then the rank's own value)."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from lightning_ulysses.data.sharding import shard_batch
+    from lightning_ulysses.parallel.geometry import SequenceGeometry
+    from lightning_ulysses.training.step_runner import StepRunner
+
+    geometry = SequenceGeometry(4, 2)
+    info = shard_batch({"input_ids": torch.arange(10)[None]}, 4, 1, ring_size=2)["_ulysses"]
+    assert info.padded_len == geometry.padded_length(10) == 16 and -(-10 // 4) == 3
+    layout = SimpleNamespace(sp_size=4, ring_size=2, geometry=geometry)
+    runner = StepRunner.__new__(StepRunner)
+    runner.layout, runner.device, runner.agree_on_tile_counts = layout, torch.device("cpu"), True
+    with tempfile.TemporaryDirectory() as directory:
+        dist.init_process_group("gloo", store=dist.FileStore(f"{directory}/store", 1), rank=0, world_size=1)
+        try:
+            assert runner._agreed_tile_shard_len(info) == geometry.shard_length(10) == 4
+        finally:
+            dist.destroy_process_group()
+    runner.agree_on_tile_counts = False
+    assert runner._agreed_tile_shard_len(info) is None
