@@ -22,7 +22,9 @@ torch (2.13):
     the private attention ops with log-sum-exp output the ring kernels call (:func:`cpu_flash_attention`,
     :func:`cpu_flash_attention_backward`, :func:`efficient_attention`, :func:`efficient_attention_backward`).
 transformers (5.x):
-    ``config._attn_implementation`` (:func:`attention_implementation`, :func:`set_attention_implementation`).
+    ``config._attn_implementation`` (:func:`attention_implementation`, :func:`set_attention_implementation`), the
+    ZeRO-3 switch (:func:`transformers_deepspeed_config`), ``PreTrainedModel._from_config`` (:func:`model_from_config`).
+torch's ``nn.Module`` hook registries: :func:`hook_is_registered`.
 """
 
 from __future__ import annotations
@@ -259,7 +261,35 @@ def efficient_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.T
     return dq, dk, dv
 
 
+def hook_is_registered(module: torch.nn.Module, handle: Any) -> bool:
+    """Whether the forward (pre-)hook behind ``handle`` is still registered on ``module`` (something may have cleared
+    the module's hooks, as Lightning's inference set-up does)."""
+    return handle.id in module._forward_pre_hooks or handle.id in module._forward_hooks
+
+
 # ============================================================================================== transformers
+@contextmanager
+def transformers_deepspeed_config(ds_config: dict) -> Iterator[None]:
+    """transformers' process-global "ZeRO-3 is active" state (a weak reference to an ``HfDeepSpeedConfig``) set to
+    ``ds_config`` inside the block and put back as it was after it."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    previous = hf_deepspeed._hf_deepspeed_config_weak_ref
+    keep_alive = HfDeepSpeedConfig(ds_config)  # registers itself through a weak reference
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = previous
+        del keep_alive
+
+
+def model_from_config(model_class: Any, config: Any, **kwargs: Any) -> Any:
+    """``model_class`` built from ``config`` with fresh weights: transformers' ``_from_config`` (what the Auto classes'
+    ``from_config`` calls), which takes a concrete class."""
+    return model_class._from_config(config, **kwargs)
+
+
 def attention_implementation(config: Any) -> str:
     """The attention implementation a transformers config dispatches to (``"sdpa"``, ``"flash_attention_2"``, ...)."""
     return config._attn_implementation

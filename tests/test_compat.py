@@ -273,6 +273,38 @@ def _code_without_docstrings(source: str) -> str:
     return ast.unparse(tree)
 
 
+def test_transformers_deepspeed_switch_is_set_and_put_back():
+    """transformers reads "ZeRO-3 is active" from a weak reference its ``HfDeepSpeedConfig`` registers; the switch
+    sets it inside the block and leaves transformers as it was after it."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    assert not is_deepspeed_zero3_enabled()
+    with _compat.transformers_deepspeed_config({"zero_optimization": {"stage": 3}, "train_batch_size": 1}):
+        assert is_deepspeed_zero3_enabled()
+    assert not is_deepspeed_zero3_enabled()
+
+
+def test_transformers_model_from_config_builds_a_concrete_class():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = _compat.model_from_config(LlamaForCausalLM, config, attn_implementation="sdpa", dtype=torch.float32)
+    assert type(model) is LlamaForCausalLM and _compat.attention_implementation(model.config) == "sdpa"
+
+
+def test_torch_hook_registries():
+    """A registered forward (pre-)hook is found by its handle until it is removed or the registries are cleared."""
+    module = torch.nn.Linear(2, 2)
+    pre = module.register_forward_pre_hook(lambda m, args: None)
+    post = module.register_forward_hook(lambda m, args, out: None)
+    assert _compat.hook_is_registered(module, pre) and _compat.hook_is_registered(module, post)
+    pre.remove()
+    assert not _compat.hook_is_registered(module, pre) and _compat.hook_is_registered(module, post)
+    _compat.remove_module_hooks(module)
+    assert not _compat.hook_is_registered(module, post)
+
+
 def test_every_private_touch_point_lives_in_compat():
     """No module of the package but ``_compat`` names the private APIs guarded here."""
     from pathlib import Path
@@ -282,7 +314,8 @@ def test_every_private_touch_point_lives_in_compat():
     private = ("_should_accumulate", "batch_progress", "_data_source", "_get_ckpt_name", "_link_all_hp_params",
                "_restore_from_bit16_weights", "_set_fp32_optimizer_param_groups", "_clear_fp32_optimizer_param_groups",
                "torch.ops.aten._", "remove_module_hooks(", "ds_grad_is_ready", "._device_mesh", "'_trainer'",
-               "._attn_implementation")
+               "._attn_implementation", "_hf_deepspeed_config_weak_ref", "._from_config(", "._forward_pre_hooks",
+               "._forward_hooks")
     root = Path(lightning_ulysses.__file__).parent
     found = {}
     for path in root.rglob("*.py"):

@@ -31,7 +31,7 @@ def classification(model: nn.Module) -> dict:
     return {
         "kinds": {name: refusals._attention_kind(m) for name, m in model.named_modules()
                   if refusals._attention_kind(m) is not None},
-        "direct_sdpa": sorted(name for name, m in model.named_modules() if refusals._calls_sdpa_directly(m)),
+        "direct_sdpa": sorted(name for name, m in model.named_modules() if refusals.calls_sdpa_directly(m)),
         "has_attention": refusals.has_attention(model),
         "mixers": sorted(name for name, m in model.named_modules() if any(m is x for x in mixers)),
         "cpu": outcome(2, "cpu"),

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from lightning_ulysses import _compat
 from lightning_ulysses.checkpoint import integrity
 from lightning_ulysses.checkpoint.markers import (
     CLIENT_STATE_KEY,
@@ -169,6 +170,6 @@ def _build_hf_model(target: Any) -> nn.Module:
     config = model_class.config_class.from_dict(config_dict)
     impl = target.get("attn_implementation") or "sdpa"
     try:
-        return model_class._from_config(config, attn_implementation=impl, dtype=torch.float32)
+        return _compat.model_from_config(model_class, config, attn_implementation=impl, dtype=torch.float32)
     except (ImportError, ValueError):  # e.g. flash-attn is not installed here: the weights do not care
-        return model_class._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        return _compat.model_from_config(model_class, config, attn_implementation="sdpa", dtype=torch.float32)

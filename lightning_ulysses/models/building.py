@@ -37,16 +37,8 @@ from lightning_ulysses.patches import replaced
 def transformers_zero3_aware(ds_config: dict[str, Any]) -> Iterator[None]:
     """Within the block, transformers treats ZeRO-3 as active (``is_deepspeed_zero3_enabled()`` is true) with
     ``ds_config``; on exit the previous process-global state is restored (nothing stays behind)."""
-    from transformers.integrations import HfDeepSpeedConfig
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    previous = hf_deepspeed._hf_deepspeed_config_weak_ref
-    keep_alive = HfDeepSpeedConfig(copy.deepcopy(ds_config))  # registers itself through a weak reference
-    try:
+    with _compat.transformers_deepspeed_config(copy.deepcopy(ds_config)):
         yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = previous
-        del keep_alive
 
 
 # The in-place initialisers of torch.nn.init (each takes the tensor first).

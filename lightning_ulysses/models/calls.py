@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.data.halo import shift_labels_across_shards
 from lightning_ulysses.training.step_context import StepContext
@@ -53,7 +54,7 @@ def install_call_completion(model: nn.Module, context: StepContext, hf_model: bo
 def has_call_completion(model: nn.Module) -> bool:
     """Whether ``model``'s completing pre-hook is installed and still registered on it."""
     handle = model.__dict__.get(_HOOK_HANDLE)
-    return handle is not None and handle.id in model._forward_pre_hooks
+    return handle is not None and _compat.hook_is_registered(model, handle)
 
 
 def remove_call_completion(model: nn.Module) -> None:

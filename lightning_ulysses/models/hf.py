@@ -16,10 +16,10 @@ from torch import nn
 
 from lightning_ulysses import _compat
 from lightning_ulysses.models.calls import install_call_completion, remove_call_completion
-from lightning_ulysses.models.hf_attention import _CONTEXT_ATTR, _PREFIX
+from lightning_ulysses.models.hf_attention import ATTENTION_PREFIX, CONTEXT_ATTRIBUTE
 from lightning_ulysses.models.mixers import unwrap_sequence_mixer, wrap_sequence_mixer
 from lightning_ulysses.models.moe import has_load_balancing_loss
-from lightning_ulysses.models.refusals import _calls_sdpa_directly, has_attention, sequence_mixers
+from lightning_ulysses.models.refusals import calls_sdpa_directly, has_attention, sequence_mixers
 from lightning_ulysses.models.rope import unwrap_rotaries, wrap_length_dependent_rotaries
 from lightning_ulysses.parallel.attention import ulysses_attention
 from lightning_ulysses.patches import replaced
@@ -74,15 +74,15 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
             loss_function=model.__dict__.get("_loss_function"),
         )
         impl = _compat.attention_implementation(config)
-        direct = [m for m in model.modules() if _calls_sdpa_directly(m)]
+        direct = [m for m in model.modules() if calls_sdpa_directly(m)]
         if direct:
             # These call torch's SDPA themselves when the implementation is exactly "sdpa": keep the name and put
             # the exchange around the SDPA calls of their forward instead.
             for module in direct:
                 module.__dict__["forward"] = _with_ulysses_sdpa(module, context)
             saved.direct_sdpa_modules = direct
-        elif not impl.startswith(_PREFIX) and has_attention(model):
-            _compat.set_attention_implementation(config, _PREFIX + impl)  # also sets the sub-configs
+        elif not impl.startswith(ATTENTION_PREFIX) and has_attention(model):
+            _compat.set_attention_implementation(config, ATTENTION_PREFIX + impl)  # also sets the sub-configs
         saved.mixers = sequence_mixers(model)
         for mixer in saved.mixers:
             wrap_sequence_mixer(mixer, context)
@@ -93,7 +93,7 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
     # Every module that dispatches attention holds a config; give each the step context (SP group, documents).
     saved.marked_modules = [m for m in model.modules() if hasattr(m, "config")]
     for module in saved.marked_modules:
-        module.__dict__[_CONTEXT_ATTR] = context
+        module.__dict__[CONTEXT_ATTRIBUTE] = context
     model.loss_function = SequenceParallelLossFunction(context)
     if not saved.hooks:
         saved.hooks.append(model.register_forward_pre_hook(_refuse_router_aux_loss, with_kwargs=True))
@@ -136,7 +136,7 @@ def restore_model(model: nn.Module) -> None:
     if saved.use_cache is not None:
         model.config.use_cache = saved.use_cache
     for module in saved.marked_modules:
-        module.__dict__.pop(_CONTEXT_ATTR, None)
+        module.__dict__.pop(CONTEXT_ATTRIBUTE, None)
     for module in saved.direct_sdpa_modules:
         module.__dict__.pop("forward", None)
     for mixer in saved.mixers:

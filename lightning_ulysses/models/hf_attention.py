@@ -26,9 +26,9 @@ from lightning_ulysses.training.step_context import StepContext
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
-_PREFIX = "ulysses_"
+ATTENTION_PREFIX = "ulysses_"
 
-_CONTEXT_ATTR = "_ulysses_step_context"
+CONTEXT_ATTRIBUTE = "_ulysses_step_context"
 
 
 # Keyword arguments that describe the *local* shard's positions; the attention over the full sequence must not see them.
@@ -50,7 +50,7 @@ class _LocalHeadsView:
 def attention_implementation(model: nn.Module) -> str:
     """The model's attention implementation without the Ulysses prefix (``sdpa``, ``flash_attention_2``, ...)."""
     impl = _compat.attention_implementation(model.config)
-    return impl[len(_PREFIX):] if impl.startswith(_PREFIX) else impl
+    return impl[len(ATTENTION_PREFIX):] if impl.startswith(ATTENTION_PREFIX) else impl
 
 
 def keeps_documents_apart(impl: str, sdpa_per_document: bool) -> bool:
@@ -162,7 +162,7 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         attention_mask: Optional[torch.Tensor],
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        context: Optional[StepContext] = module.__dict__.get(_CONTEXT_ATTR)
+        context: Optional[StepContext] = module.__dict__.get(CONTEXT_ATTRIBUTE)
         if context is None:
             raise RuntimeError(
                 f"{type(module).__name__} runs Ulysses attention but was not prepared by UlyssesDeepSpeedStrategy"
@@ -268,5 +268,5 @@ def register_attention_functions() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     for inner_name in SUPPORTED_ATTENTION:
-        if _PREFIX + inner_name not in ALL_ATTENTION_FUNCTIONS:
-            AttentionInterface.register(_PREFIX + inner_name, _make_ulysses_attention(inner_name))
+        if ATTENTION_PREFIX + inner_name not in ALL_ATTENTION_FUNCTIONS:
+            AttentionInterface.register(ATTENTION_PREFIX + inner_name, _make_ulysses_attention(inner_name))

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_ulysses import _compat
 from lightning_ulysses.parallel.attention import ulysses_attention
 from lightning_ulysses.training.step_context import StepContext
 
@@ -94,8 +95,7 @@ def reinstall_hooks(model: nn.Module, context: StepContext) -> None:
 
 def has_hooks(model: nn.Module) -> bool:
     saved = model.__dict__.get(_SAVED)
-    return saved is not None and all(h.id in model._forward_pre_hooks or h.id in model._forward_hooks
-                                     for h in saved[1])
+    return saved is not None and all(_compat.hook_is_registered(model, h) for h in saved[1])
 
 
 _CACHE = "_ulysses_litgpt_rope_cache"

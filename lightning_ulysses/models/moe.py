@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses.patches import replaced
-from lightning_ulysses.training.loss import _ValueWithGradientOf
+from lightning_ulysses.training.loss import ValueWithGradientOf
 from lightning_ulysses.training.step_context import StepContext
 
 _FUNCTION = "load_balancing_loss_func"
@@ -87,4 +87,4 @@ def sequence_parallel_load_balancing_loss(gate_logits: Any, num_experts: Optiona
     mean_probability = (totals[num_experts:2 * num_experts] / n).float()  # P_e, global
     value = num_experts * (share_of_assignments * mean_probability).sum()
     local = num_experts * (share_of_assignments * probabilities / n.float()).sum()  # this rank's part of P's sum
-    return _ValueWithGradientOf.apply(value, local * context.gradients.sp_loss_share, context.incoming_gradients)
+    return ValueWithGradientOf.apply(value, local * context.gradients.sp_loss_share, context.incoming_gradients)

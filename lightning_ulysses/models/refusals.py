@@ -34,7 +34,7 @@ from typing import Any, Iterator, Optional
 from torch import nn
 
 from lightning_ulysses import _compat
-from lightning_ulysses.models.hf_attention import _PREFIX, SUPPORTED_ATTENTION, attention_implementation
+from lightning_ulysses.models.hf_attention import ATTENTION_PREFIX, SUPPORTED_ATTENTION, attention_implementation
 from lightning_ulysses.models.mixers import find_sequence_mixers, is_sequence_mixer, uncovered_sequence_convolutions
 from lightning_ulysses.models.moe import has_load_balancing_loss
 
@@ -53,8 +53,8 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str, ring_size: 
     Ulysses part of it: ``sp_size / ring_size`` ranks share the heads)."""
     name = type(model).__name__
     impl = _compat.attention_implementation(model.config)
-    if impl is not None and impl.startswith(_PREFIX):
-        impl = impl[len(_PREFIX) :]
+    if impl is not None and impl.startswith(ATTENTION_PREFIX):
+        impl = impl[len(ATTENTION_PREFIX) :]
     if not has_attention(model) and sequence_mixers(model):  # a pure state-space model: no attention to shard
         refuse_unsupported_architecture(model)
         if ring_size > 1:
@@ -79,7 +79,7 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str, ring_size: 
             f" which run on the whole sequence gathered over the SP group; with ring_size={ring_size} the shards are"
             " not contiguous. Use ring_size=1 for this architecture."
         )
-    if ring_size > 1 and any(_calls_sdpa_directly(m) for m in model.modules()):
+    if ring_size > 1 and any(calls_sdpa_directly(m) for m in model.modules()):
         raise ValueError(f"{name} computes attention itself (direct SDPA calls): not supported with"
                          f" ring_size={ring_size}; use ring_size=1.")
     sp_size = sp_size // ring_size  # the heads are split over the Ulysses ranks only
@@ -180,7 +180,7 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
     if bypassing:
         classes = sorted({type(module).__name__ for module in bypassing})
         impl = attention_implementation(model)
-        if impl != "sdpa" or not all(_calls_sdpa_directly(module) for module in bypassing):
+        if impl != "sdpa" or not all(calls_sdpa_directly(module) for module in bypassing):
             raise ValueError(
                 f"{name}: {classes} compute attention themselves instead of through transformers' attention"
                 " interface; the strategy can put the Ulysses exchange around them only when they call torch's"
@@ -316,7 +316,7 @@ def _bypasses_attention_interface(module: nn.Module) -> bool:
     return not any(_uses_attention_interface(m) for m in module.modules() if m is not module)
 
 
-def _calls_sdpa_directly(module: nn.Module) -> bool:
+def calls_sdpa_directly(module: nn.Module) -> bool:
     return _attention_kind(module) == "sdpa" and _bypasses_attention_interface(module)
 
 

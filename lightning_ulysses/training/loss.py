@@ -13,7 +13,7 @@ The factors on the gradients (of the whole loss a step returns, and of an SP los
 :mod:`lightning_ulysses.training.gradient_factor`, their one owner.
 
 The loss returned carries ``value`` bitwise (the same fp32 number on every rank) and passes its gradient to the local
-share (:class:`_ValueWithGradientOf`), recording that gradient for the SP-peer check of the step. One all-reduce of
+share (:class:`ValueWithGradientOf`), recording that gradient for the SP-peer check of the step. One all-reduce of
 3 numbers per call.
 """
 
@@ -129,7 +129,7 @@ def normalize_weighted_sum(
     value = (totals[0] / _nonzero(totals[1])).float()
     share = local_sum * (grad_scale / _nonzero(totals[2]).float())
     # Not `share + (value - share).detach()`: that rounds in fp32 (differently per rank when share > value).
-    return _ValueWithGradientOf.apply(value, share, record)
+    return ValueWithGradientOf.apply(value, share, record)
 
 
 def _nonzero(total: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,7 @@ def _nonzero(total: torch.Tensor) -> torch.Tensor:
     return torch.where(total == 0, torch.ones_like(total), total)
 
 
-class _ValueWithGradientOf(torch.autograd.Function):
+class ValueWithGradientOf(torch.autograd.Function):
     """Forward: ``value`` exactly. Backward: the incoming gradient goes to ``share`` (``d out / d share = 1``) and is
     appended to ``record`` (if given) for the SP-peer check."""
 
