@@ -47,7 +47,7 @@ def auto_results():
 def test_memory_feature_keeps_parity(results, name):
     index = list(RUNS).index(name)
     check_against_reference(RUNS[name], [rank["runs"][index] for rank in results], global_batch=1)
-    features = RUNS[name]["strategy"]
+    features = RUNS[name].strategy
     active = results[0]["runs"][index]["features_active"]  # during training, on the real model
     assert active == {"tiled_mlps": 2 if features.get("tiled_mlp") else 0,  # both decoder layers
                       "forward_replaced": bool(features.get("tiled_loss") or features.get("offload_checkpoints")),

@@ -10,6 +10,7 @@ import torch
 
 from tests.support.launcher import launch
 from tests.support.models import VarLenDataset, pad_right_collate, tiny_llama_config, train_on_batches
+from tests.support.training import FitSpec
 from tests.test_parity import LR, REL_TOL, SEQ_LEN, STEPS, check_against_reference, rel_diff, update_rel_diff
 
 RING_CASES = [  # the fused CPU kernel (torch's flash-attention-for-CPU op) unless "kernel": "matmul" (the fallback)
@@ -25,9 +26,9 @@ RING_CASES = [  # the fused CPU kernel (torch's flash-attention-for-CPU op) unle
 CASES_BY_NAME = {c["name"]: c for c in RING_CASES}
 
 
-def _run(stage, kv_heads, sp_size, ring_size, batch_size=1, num_rows=STEPS, **options):
-    return dict(stage=stage, kv_heads=kv_heads, sp_size=sp_size, batch_size=batch_size, steps=STEPS, seq_len=SEQ_LEN,
-                num_rows=num_rows, lr=LR, strategy={"ring_size": ring_size}, **options)
+def _run(stage, kv_heads, sp_size, ring_size, batch_size=1, num_rows=STEPS, **options) -> FitSpec:
+    return FitSpec(stage=stage, kv_heads=kv_heads, sp_size=sp_size, batch_size=batch_size, steps=STEPS,
+                   seq_len=SEQ_LEN, num_rows=num_rows, lr=LR, strategy={"ring_size": ring_size}, **options)
 
 
 RUNS = {
@@ -138,7 +139,7 @@ def test_cuda_block_kernel_calls_fit_torchs_ops(dtype):
 def test_ring_training_matches_single_device(trained, name):
     index = list(RUNS).index(name)
     run = RUNS[name]
-    global_batch = run["batch_size"] * (4 // run["sp_size"])
+    global_batch = run.batch_size * (4 // run.sp_size)
     check_against_reference(run, [rank["runs"][index] for rank in trained], global_batch=global_batch)
 
 
