@@ -41,11 +41,15 @@ class ShardInfo:
         halo: where the token after each run of this shard lives (:class:`lightning_ulysses.data.halo.HaloPlan`).
         max_position: the largest ``position_ids`` value of the full batch (before the padding to the SP multiple):
             what a single device's length-dependent RoPE sees (:mod:`lightning_ulysses.models.rope`).
+        multimodal: for a batch with images or videos, the full batch's token tensors ``{"input_ids",
+            "mm_token_type_ids", "attention_mask"}`` (``[B, S]`` each, before the padding; token ids, never
+            activations): what a vision-language model's multimodal positions and the placement of its image
+            features are computed from (:mod:`lightning_ulysses.models.vision_language`). ``None`` otherwise.
     """
 
     __slots__ = ("seq_len", "cu_seqlens", "max_seqlen", "window_tokens", "batch_size", "fingerprint",
                  "position_ids", "attention_mask", "target_valid", "global_index", "padded_len", "halo",
-                 "max_position")
+                 "max_position", "multimodal")
 
     def __init__(self, seq_len: int, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
                  window_tokens: Optional[torch.Tensor] = None, batch_size: int = 1,
@@ -63,6 +67,7 @@ class ShardInfo:
         self.padded_len = seq_len
         self.halo = None
         self.max_position: Optional[int] = None
+        self.multimodal: Optional[dict[str, torch.Tensor]] = None
 
     @property
     def shard_shape(self) -> Optional[tuple[int, int]]:

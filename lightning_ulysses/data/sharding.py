@@ -27,6 +27,12 @@ INPUT_IDS, LABELS, SHIFT_LABELS, POSITION_IDS, ATTENTION_MASK = (
 )
 _PAD_VALUES = {LABELS: IGNORE_INDEX, SHIFT_LABELS: IGNORE_INDEX}
 _CONTRACT_KEYS = (LABELS, SHIFT_LABELS, POSITION_IDS, ATTENTION_MASK)
+# Vision inputs of vision-language models: per image / video / patch, never per token, so never cut (a pixel tensor
+# whose first two dimensions happen to equal [B, S] must not be taken for a sequence).
+VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts",
+               "image_sizes", "pixel_attention_mask", "video_second_per_grid")
+# The full batch's token tensors a vision-language model's positions and image placement are computed from.
+_MULTIMODAL_TOKEN_KEYS = (INPUT_IDS, "mm_token_type_ids", ATTENTION_MASK)
 
 
 def shard_batch(
@@ -112,7 +118,12 @@ def shard_batch(
             value = _pad_sequence(value, key, padded_len, pad_token_id, ignore_index)
         return value[:, span].contiguous() if span is not None else value[:, index]
 
+    multimodal = None
+    if any(out.get(key) is not None for key in VISION_KEYS):
+        multimodal = {key: out[key] for key in _MULTIMODAL_TOKEN_KEYS if isinstance(out.get(key), torch.Tensor)}
     for key, value in out.items():
+        if key in VISION_KEYS:
+            continue
         if isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == (B, S):
             out[key] = cut(value, key)
     info = _shard_info(S, padded_len, document_start) if packed else ShardInfo(S)
@@ -123,6 +134,7 @@ def shard_batch(
     info.target_valid = cut(target_valid, "target_valid")  # padded with False
     info.global_index = index
     info.padded_len = padded_len
+    info.multimodal = multimodal
     info.halo = next_token_sources(padded_len, geometry, sp_rank)
     out[SHARD_INFO_KEY] = info
     return out

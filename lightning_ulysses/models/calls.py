@@ -31,6 +31,7 @@ from torch import nn
 from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.data.halo import shift_labels_across_shards
+from lightning_ulysses.models import vision_language
 from lightning_ulysses.training.step_context import StepContext
 
 _HOOK_HANDLE = "_ulysses_call_hook"
@@ -202,6 +203,8 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
         _agree_on_call(problem, name, context, tokens.device)
     elif problem is not None:
         raise problem
+    if vision_language.has_vision_inputs(named):
+        vision_language.complete_call(model, named, shard)  # multimodal positions, this shard's image features
     counted = shard.global_index[None, :] < shard.seq_len  # [1, s]: not the padding to the SP multiple
     if given_mask is not None and shard.attention_mask is not None:
         counted = counted & shard.attention_mask[:rows].bool()

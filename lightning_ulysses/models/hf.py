@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_ulysses import _compat
+from lightning_ulysses.models import vision_language
 from lightning_ulysses.models.calls import install_call_completion, remove_call_completion
 from lightning_ulysses.models.hf_attention import ATTENTION_PREFIX, CONTEXT_ATTRIBUTE
 from lightning_ulysses.models.mixers import unwrap_sequence_mixer, wrap_sequence_mixer
@@ -83,6 +84,7 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
             saved.direct_sdpa_modules = direct
         elif not impl.startswith(ATTENTION_PREFIX) and has_attention(model):
             _compat.set_attention_implementation(config, ATTENTION_PREFIX + impl)  # also sets the sub-configs
+            vision_language.keep_vision_attention(model, impl)  # a vision tower attends over its own patches
         saved.mixers = sequence_mixers(model)
         for mixer in saved.mixers:
             wrap_sequence_mixer(mixer, context)
@@ -180,6 +182,7 @@ def plain_mode(model: nn.Module, context: StepContext) -> Iterator[None]:
     finally:
         context.plain = False
         _compat.set_attention_implementation(config, prepared_impl)
+        vision_language.keep_vision_attention(model, saved.attn_implementation)
         if prepared_cache is not None:
             config.use_cache = prepared_cache
 

@@ -1,0 +1,180 @@
+"""Tiny vision-language models (Qwen2-VL, Qwen2.5-VL) built from configs, and batches with images and videos the way
+users get them: images through the model's own image processor (its PIL backend, built locally), placeholder tokens
+in the text, ``image_grid_thw`` / ``video_grid_thw``, ``mm_token_type_ids``, labels ``-100`` on placeholders."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader, Dataset
+
+IMAGE, VIDEO, START, END = 120, 121, 122, 123  # special token ids of the tiny configs (text tokens are < 100)
+PATCH, MERGE, TEMPORAL = 4, 2, 2  # patch size, spatial merge, temporal patch size
+SEED = 0
+
+
+def tiny_config(family: str) -> Any:
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0})
+    vision = dict(depth=2, hidden_size=32, num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE,
+                  temporal_patch_size=TEMPORAL, in_channels=3)
+    tokens = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    if family == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+
+        return Qwen2VLConfig(text_config=text, vision_config=dict(vision, embed_dim=16, mlp_ratio=2), **tokens)
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        return Qwen2_5_VLConfig(text_config=text, vision_config=dict(vision, intermediate_size=48, out_hidden_size=32,
+                                                                     window_size=16, fullatt_block_indexes=[1]),
+                                **tokens)
+    raise ValueError(family)
+
+
+def build_model(family: str) -> torch.nn.Module:
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(SEED)
+    cls = Qwen2VLForConditionalGeneration if family == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
+    model = cls(tiny_config(family))
+    model.config._attn_implementation = "sdpa"  # also the sub-configs
+    return model
+
+
+def _image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL,
+                                    min_pixels=8 * 8, max_pixels=64 * 64)
+
+
+def _text(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(0, 100, n).tolist()
+
+
+def sample(rng: np.random.Generator, before: int, images: list[tuple[int, int]] = (), after: int = 6,
+           video: Optional[tuple[int, int, int]] = None, between: int = 3) -> dict[str, Any]:
+    """One sample: ``before`` text tokens, each image (height, width in pixels) as <start> placeholders <end> with
+    ``between`` text tokens after it, an optional video (frames, height, width; random pixels in the processor's
+    patch layout), ``after`` text tokens."""
+    ids = _text(rng, before)
+    pixels, grids, video_pixels, video_grids = [], [], [], []
+    processor = _image_processor()
+    for height, width in images:
+        image = (rng.random((height, width, 3)) * 255).astype(np.uint8)
+        out = processor(images=[image], return_tensors="pt")
+        pixels.append(out["pixel_values"])
+        grids.append(out["image_grid_thw"])
+        ids += [START] + [IMAGE] * int(out["image_grid_thw"].prod() // MERGE ** 2) + [END] + _text(rng, between)
+    if video is not None:
+        frames, height, width = video
+        grid = torch.tensor([[frames // TEMPORAL, height // PATCH, width // PATCH]])
+        video_pixels.append(torch.from_numpy(rng.standard_normal((int(grid.prod()), 3 * TEMPORAL * PATCH * PATCH))
+                                             ).float())
+        video_grids.append(grid)
+        ids += [START] + [VIDEO] * int(grid.prod() // MERGE ** 2) + [END] + _text(rng, between)
+    ids += _text(rng, after)
+    out = {"input_ids": torch.tensor(ids)}
+    if pixels:
+        out["pixel_values"], out["image_grid_thw"] = torch.cat(pixels), torch.cat(grids)
+    if video_pixels:
+        out["pixel_values_videos"], out["video_grid_thw"] = torch.cat(video_pixels), torch.cat(video_grids)
+    return out
+
+
+def collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Rows right-padded to the longest, the vision tensors of all samples concatenated in row order."""
+    length = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), length, dtype=torch.long)
+    mask = torch.zeros(len(samples), length, dtype=torch.long)
+    for row, s in enumerate(samples):
+        ids[row, :len(s["input_ids"])] = s["input_ids"]
+        mask[row, :len(s["input_ids"])] = 1
+    labels = ids.masked_fill((mask == 0) | (ids >= 100), -100)  # no loss on padding and vision tokens
+    types = torch.zeros_like(ids, dtype=torch.int32)
+    types[ids == IMAGE], types[ids == VIDEO] = 1, 2
+    batch = {"input_ids": ids, "labels": labels, "mm_token_type_ids": types}
+    if not bool(mask.all()):
+        batch["attention_mask"] = mask
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        parts = [s[key] for s in samples if key in s]
+        if parts:
+            batch[key] = torch.cat(parts)
+    return batch
+
+
+def batches(seq_multiple: int = 2) -> list[dict[str, torch.Tensor]]:
+    """The four batches of the parity runs: (a) one image whose placeholders straddle the middle of the row (the
+    boundary of sp=2), (b) two images of different sizes, (c) a video after an image, (d) two rows, one text-only,
+    right-padded."""
+    rng = np.random.default_rng(7)
+    one = sample(rng, before=11, images=[(16, 24)], after=9)  # 6 placeholders from position 12
+    several = sample(rng, before=3, images=[(16, 16), (24, 16)], after=5)
+    video = sample(rng, before=4, images=[(8, 8)], video=(4, 16, 16), after=4)
+    text_only = {"input_ids": torch.from_numpy(rng.integers(0, 100, 13))}
+    padded_pair = [sample(rng, before=5, images=[(16, 16)], after=7), text_only]
+    return [collate([one]), collate([several]), collate([video]), collate(padded_pair)]
+
+
+def selected_batches(select: Optional[list[int]] = None) -> list[dict[str, torch.Tensor]]:
+    every = batches()
+    return every if select is None else [every[i] for i in select]
+
+
+class BatchList(Dataset):
+    def __init__(self, items: list[dict[str, torch.Tensor]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.items[index]
+
+
+def _first(items: list[Any]) -> Any:
+    return items[0]
+
+
+class VisionLanguageLM(LightningModule):
+    """``self.model(**batch).loss``, as a user writes it; SGD; the batches in the order of Lightning's sampler."""
+
+    def __init__(self, family: str, lr: float = 0.5, select: Optional[list[int]] = None) -> None:
+        super().__init__()
+        self.model = build_model(family)
+        self.lr = lr
+        self.select = select
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(BatchList(selected_batches(self.select)), batch_size=1, collate_fn=_first)
+
+
+def train_single_device(family: str, lr: float = 0.5, select: Optional[list[int]] = None) -> dict[str, Any]:
+    """The reference: plain transformers on one process, the same batches in Lightning's order, SGD."""
+    from tests.support.models import lightning_order
+
+    model = build_model(family)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    chosen = selected_batches(select)
+    for batch in [chosen[i] for i in lightning_order(len(chosen), SEED)]:
+        optimizer.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()}}
