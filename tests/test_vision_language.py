@@ -48,3 +48,27 @@ def test_every_batch_is_cut_in_two(trained):
     expected = [(every[i]["input_ids"].shape[0], -(-every[i]["input_ids"].shape[1] // 2)) for i in lightning_order(4, SEED)]
     for rank in trained:
         assert rank["qwen2_vl-zero2"]["input_shapes"] == expected
+
+
+def test_the_vision_work_is_split_over_the_ranks_and_exchanged_once_per_modality(trained):
+    """Each rank encodes its share of the batch's vision units (an image whole, a video by temporal patch; a rank
+    without a unit encodes a 4-row dummy), so the ranks' encoded rows add up to the batch's patches plus the dummies;
+    the two temporal patches of the video go to different ranks. Per step the vision path issues one agreement
+    all-reduce and one feature all-to-all per modality present."""
+    from tests.support.models import lightning_order
+    from tests.support.vision import MERGE, SEED, batches
+
+    every = batches()
+    for step, index in enumerate(lightning_order(4, SEED)):
+        batch = every[index]
+        grids = [batch[key] for key in ("image_grid_thw", "video_grid_thw") if key in batch]
+        calls = [rank["qwen2_vl-zero2"]["vision_steps"][step] for rank in trained]
+        for modality, grid in enumerate(grids):
+            encoded = [rank_calls["encoded_rows"][modality] for rank_calls in calls]
+            units = [int(h * w) for t, h, w in grid.tolist() for _ in range(int(t))]
+            dummies = 2 - min(len(units), 2)  # ranks without a unit of their own
+            assert sum(encoded) == sum(units) + dummies * MERGE ** 2, (step, encoded, units)
+            if "video_grid_thw" in batch and modality == 1:
+                assert encoded == [units[0], units[1]]  # the video's two temporal patches on two ranks
+        for rank_calls in calls:
+            assert rank_calls["agreements"] == 1 and rank_calls["all_to_all"] == len(grids)

@@ -203,8 +203,8 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
         _agree_on_call(problem, name, context, tokens.device)
     elif problem is not None:
         raise problem
-    if vision_language.has_vision_inputs(named):
-        vision_language.complete_call(model, named, shard)  # multimodal positions, this shard's image features
+    if vision_language.is_vision_language_model(model):
+        vision_language.complete_call(model, named, shard, context)  # M-RoPE positions, this shard's image rows
     counted = shard.global_index[None, :] < shard.seq_len  # [1, s]: not the padding to the SP multiple
     if given_mask is not None and shard.attention_mask is not None:
         counted = counted & shard.attention_mask[:rows].bool()

@@ -13,11 +13,19 @@ Here, inside a step, a prepared model's call is completed before its forward run
   :attr:`ShardInfo.multimodal <lightning_ulysses.context.ShardInfo>`: ids, not activations) exactly as on one device,
   and this rank takes the columns of its shard: ``[3, B, S] -> [3, B, s]``, passed with the text positions in front
   (``[4, B, s]``, transformers' packed form);
-* **image and video features**: the vision tower runs on the batch's images (every rank, the same input), and this
-  rank keeps the feature rows of the placeholder tokens its shard holds, in token order (an image whose tokens
-  straddle a shard boundary gives its first rows to one rank and the rest to the next); they reach the model as
-  ``mm_encoder_outputs``, so its own ``masked_scatter`` places them. Each rank back-propagates through its rows only,
-  and DeepSpeed's sum over the ranks gives the vision tower one device's gradient.
+* **image and video features**: the batch's images and videos are split over the SP ranks (by the vision tower's
+  independent units: one per temporal patch of an item, so a video's frames are spread and an image goes whole;
+  contiguous runs balanced by patch count), each rank runs the vision tower on its share only, and one all-to-all sends every
+  feature row to the rank whose shard holds its placeholder token (an image whose tokens straddle a shard boundary
+  sends its first rows to one rank and the rest to the next). The rows reach the model as ``mm_encoder_outputs``, in
+  the shard's token order, so its own ``masked_scatter`` places them. The all-to-all's backward sends each row's
+  gradient back to the rank that encoded it; DeepSpeed's sum over the ranks gives the vision tower one device's
+  gradient. Vision memory and time per rank fall with sp.
+
+Every rank runs the vision tower once per modality in a step in which any rank of the world has that modality (one
+all-reduce of two flags per call; a rank without an item of its own encodes a minimal dummy item whose output enters
+the loss times 0), so that ZeRO's gradient reductions and ZeRO-3's parameter gathers are the same on every rank, also
+when data-parallel replicas hold different batches.
 
 Families are listed in :data:`SUPPORTED_FAMILIES`; a batch with images or videos for any other vision-language model
 is refused before its forward with that list.
@@ -28,15 +36,20 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses.context import ShardInfo
+from lightning_ulysses.parallel.exchange import all_to_all
+from lightning_ulysses.parallel.geometry import SequenceGeometry
+from lightning_ulysses.training.step_context import StepContext
 
-# model_type -> how the family is called: its keyword arguments of get_rope_index beyond the grids and the mask.
+# model_type -> the keyword arguments of its get_rope_index beyond the grids and the mask.
 SUPPORTED_FAMILIES: dict[str, tuple[str, ...]] = {
     "qwen2_vl": (),
     "qwen2_5_vl": ("second_per_grid_ts",),
 }
+# modality, pixels key, grid key, placeholder token id in the config
 _MODALITIES = (("image", "pixel_values", "image_grid_thw", "image_token_id"),
                ("video", "pixel_values_videos", "video_grid_thw", "video_token_id"))
 
@@ -57,10 +70,6 @@ def keep_vision_attention(model: nn.Module, implementation: str) -> None:
         _compat.set_attention_implementation(vision, implementation)
 
 
-def has_vision_inputs(named: dict[str, Any]) -> bool:
-    return any(named.get(key) is not None for _, key, _, _ in _MODALITIES)
-
-
 def unsupported_family_error(model: nn.Module) -> str:
     model_type = getattr(model.config, "model_type", type(model).__name__)
     return (
@@ -71,35 +80,49 @@ def unsupported_family_error(model: nn.Module) -> str:
     )
 
 
-def complete_call(model: nn.Module, named: dict[str, Any], shard: ShardInfo) -> None:
+def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[ShardInfo], context: StepContext) -> None:
     """Fill a vision-language model's call of a step in place (see the module docstring): ``position_ids`` become the
     shard's multimodal positions ``[4, B, s]``; ``pixel_values`` / ``pixel_values_videos`` become the shard's rows of
-    the encoded features (``mm_encoder_outputs``)."""
+    the encoded features (``mm_encoder_outputs``). Called for every call of a prepared vision-language model in a step
+    (also text-only ones, which take part in the agreement on which modalities run)."""
+    present = [named.get(pixels) is not None for _, pixels, _, _ in _MODALITIES]
+    running = _agree_on_modalities(present, context)
+    if not any(running):
+        return
     model_type = getattr(model.config, "model_type", None)
     if model_type not in SUPPORTED_FAMILIES:
         raise ValueError(unsupported_family_error(model))
-    multimodal = shard.multimodal
-    if multimodal is None:
-        raise ValueError(
-            f"{type(model).__name__} was called with images or videos that were not in the step's batch: the"
-            " strategy places image features on the shards from the batch the collate step cut. Pass the batch's"
-            " `pixel_values` / `image_grid_thw` (and video keys) in the batch itself."
-        )
     inner = _base_model(model)
     rows = int(named["position_ids"].shape[0])
-    text_positions = named["position_ids"]  # [B, s] global 1-D positions of the shard
-    named["position_ids"] = torch.cat([text_positions[None], _shard_rope_positions(inner, named, shard, model_type,
-                                                                                   rows, text_positions.device)])
+    if any(present):
+        if shard is None or shard.multimodal is None:
+            raise ValueError(
+                f"{type(model).__name__} was called with images or videos that were not in the step's batch: the"
+                " strategy places image features on the shards from the batch the collate step cut. Pass the"
+                " batch's `pixel_values` / `image_grid_thw` (and video keys) in the batch itself."
+            )
+        text_positions = named["position_ids"]  # [B, s] global 1-D positions of the shard
+        named["position_ids"] = torch.cat([text_positions[None], _shard_rope_positions(
+            inner, named, shard, model_type, rows, text_positions.device)])  # [4, B, s]
     encoded = dict(named.get("mm_encoder_outputs") or {})
-    for modality, pixels_key, grid_key, token_key in _MODALITIES:
-        pixels = named.pop(pixels_key, None)
-        if pixels is None:
+    for (modality, pixels_key, grid_key, token_key), runs in zip(_MODALITIES, running):
+        if not runs:
             continue
-        features = _encode(inner, modality, pixels, named.get(grid_key))  # [N_tokens_total, H]
-        token_id = getattr(model.config, token_key)
-        encoded[modality] = _as_encoder_output(_shard_rows(features, multimodal["input_ids"], token_id, shard, rows))
+        rows_here = _exchanged_features(inner, modality, named.pop(pixels_key, None), named.get(grid_key),
+                                        getattr(model.config, token_key), shard, rows, context)
+        encoded[modality] = _as_encoder_output(rows_here)  # [0, H] where this rank's shard has no placeholder
     if encoded:
         named["mm_encoder_outputs"] = encoded
+
+
+def _agree_on_modalities(present: list[bool], context: StepContext) -> list[bool]:
+    """Whether any rank of the world runs images / videos in this call (one all-reduce of two flags)."""
+    flags = torch.tensor([int(p) for p in present], dtype=torch.int32)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        flags = flags.to(device) if device is not None else flags
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # [2]: any rank with images / videos
+    return [bool(f) for f in flags.tolist()]
 
 
 def _base_model(model: nn.Module) -> nn.Module:
@@ -145,26 +168,101 @@ def _token_types(config: Any, ids: torch.Tensor) -> torch.Tensor:
     return types
 
 
-def _encode(inner: nn.Module, modality: str, pixels: torch.Tensor, grid: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[N, H]``: the feature rows of every image (or video) of the batch, in the order of their placeholders."""
+def _owners(sizes: list[int], sp: int) -> list[int]:
+    """The SP rank that encodes each unit: contiguous runs of units, balanced by size (each unit goes to the rank
+    whose equal share of the total holds the unit's midpoint)."""
+    total = max(sum(sizes), 1)
+    owners, before = [], 0
+    for size in sizes:
+        owners.append(min(sp - 1, (2 * before + size) * sp // (2 * total)))
+        before += size
+    return owners
+
+
+def _units(grid: torch.Tensor) -> list[tuple[int, int, int]]:
+    """The batch's items cut into the vision tower's independent units: one per temporal patch of each image or video
+    (``(item, height, width)`` in patches; the tower attends within a temporal patch of an item only), in order."""
+    return [(k, int(h), int(w)) for k, (t, h, w) in enumerate(grid.tolist()) for _ in range(int(t))]
+
+
+def _exchanged_features(inner: nn.Module, modality: str, pixels: Optional[torch.Tensor], grid: Optional[torch.Tensor],
+                        token_id: int, shard: Optional[ShardInfo], rows: int, context: StepContext) -> torch.Tensor:
+    """``[n, H]``: the feature rows of the placeholders of this rank's shard, in its token order, encoded by the ranks
+    that own their units and exchanged by one all-to-all (see the module docstring)."""
+    group = context.sp_group
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    sp, me = (dist.get_world_size(group), dist.get_rank(group)) if distributed else (1, 0)
+    merge = inner.config.vision_config.spatial_merge_size
+    if pixels is None or grid is None:  # another replica has this modality: encode a dummy to keep ZeRO in step
+        dummy = _encode(inner, modality, *_dummy_item(inner))
+        return dummy[:0] + 0 * dummy.sum()  # [0, H], connected to the graph with gradient 0
+    units = _units(grid)
+    patches = [h * w for _, h, w in units]
+    tokens = [p // merge ** 2 for p in patches]
+    owners = _owners(patches, sp)
+    mine = [u for u, owner in enumerate(owners) if owner == me]  # contiguous
+    if mine:
+        first, last = mine[0], mine[-1] + 1
+        patch_start, token_start = sum(patches[:first]), sum(tokens[:first])
+        local = _encode(inner, modality, pixels[patch_start:patch_start + sum(patches[first:last])],
+                        _sub_grid(units[first:last], grid))  # [t, H]: rows token_start ... of the batch's features
+    else:
+        dummy = _encode(inner, modality, *_dummy_item(inner))
+        local, token_start = dummy[:0] + 0 * dummy.sum(), 0  # [0, H]
+    if sp == 1:
+        return local[_needed_rows(shard, token_id, rows, shard.global_index).to(local.device) - token_start]
+    owner_of_row = torch.tensor([owner for owner, count in zip(owners, tokens) for _ in range(count)],
+                                dtype=torch.long)  # [N] the rank that encodes each feature row
+    geometry = SequenceGeometry(sp, context.ring_size)
+    needed = [_needed_rows(shard, token_id, rows, geometry.shard_index(shard.padded_len, rank)) for rank in range(sp)]
+    send = [rows_of[owner_of_row[rows_of] == me] for rows_of in needed]  # per destination, in its token order
+    sources = owner_of_row[needed[me]]  # [n] who sends each of my rows
+    received = all_to_all(local[torch.cat(send).to(local.device) - token_start],  # [sum(send), H]
+                          [len(rows_of) for rows_of in send], [int((sources == s).sum()) for s in range(sp)], group)
+    # received is grouped by source rank, each group in my token order: put it back in my token order
+    order = torch.cat([(sources == s).nonzero(as_tuple=True)[0] for s in range(sp)])  # [n] my position of each row
+    return received[torch.argsort(order).to(received.device)]  # [n, H] in my token order
+
+
+def _sub_grid(units: list[tuple[int, int, int]], grid: torch.Tensor) -> torch.Tensor:
+    """``[items, 3]``: the grid of a contiguous run of units (whole or partial items: their temporal patches)."""
+    pieces: list[list[int]] = []
+    for item, h, w in units:
+        if pieces and pieces[-1][3] == item:
+            pieces[-1][0] += 1
+        else:
+            pieces.append([1, h, w, item])
+    return torch.tensor([piece[:3] for piece in pieces], dtype=grid.dtype, device=grid.device)
+
+
+def _needed_rows(shard: ShardInfo, token_id: int, rows: int, index: torch.Tensor) -> torch.Tensor:
+    """``[n]``: the feature row numbers (one per placeholder token of the whole batch, in row-major token order) of
+    the placeholders at the padded-row positions ``index`` of the first ``rows`` rows, in that shard's token order."""
+    ids = shard.multimodal["input_ids"]  # [B, S]
+    placeholder = ids == token_id
+    number = placeholder.flatten().long().cumsum(0).view(placeholder.shape) - 1  # [B, S]
+    S = ids.shape[1]
+    real = index < S
+    held = torch.zeros((ids.shape[0], index.shape[0]), dtype=torch.bool)  # [B, s]
+    held[:, real] = placeholder[:, index[real]]
+    return number[:, index.clamp(max=S - 1)][held[:rows].nonzero(as_tuple=True)]
+
+
+def _dummy_item(inner: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest item the vision tower takes: one temporal patch of ``merge × merge`` patches, zeros."""
+    vision = inner.config.vision_config
+    merge = vision.spatial_merge_size
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    device = next(inner.parameters()).device
+    return (torch.zeros(merge * merge, width, device=device),
+            torch.tensor([[1, merge, merge]], device=device))
+
+
+def _encode(inner: nn.Module, modality: str, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """``[N, H]``: the feature rows of the items in ``pixels`` (with their ``grid``), in item order."""
     method = inner.get_image_features if modality == "image" else inner.get_video_features
     output = method(pixels, grid, return_dict=True)
     return torch.cat(list(output.pooler_output), dim=0)
-
-
-def _shard_rows(features: torch.Tensor, ids: torch.Tensor, token_id: int, shard: ShardInfo, rows: int
-                ) -> torch.Tensor:
-    """The rows of ``features`` (one per placeholder token of the whole batch, in row-major token order) whose
-    placeholders this rank's shard holds, in the shard's token order."""
-    placeholder = ids == token_id  # [B, S]
-    number = placeholder.flatten().long().cumsum(0).view(placeholder.shape) - 1  # [B, S]: index of each placeholder
-    S = ids.shape[1]
-    index = shard.global_index  # [s] positions of the padded row this rank holds
-    real = index < S
-    mine = torch.zeros((ids.shape[0], index.shape[0]), dtype=torch.bool)  # [B, s]
-    mine[:, real] = placeholder[:, index[real]]
-    taken = number[:, index.clamp(max=S - 1)][mine[:rows].nonzero(as_tuple=True)]  # [n] row numbers in shard order
-    return features[taken.to(features.device)]  # [n, H]
 
 
 def _as_encoder_output(rows: torch.Tensor) -> Any:

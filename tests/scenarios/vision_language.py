@@ -1,13 +1,58 @@
-"""Vision-language models trained under SP (``tests/test_vision_language.py``): one fit per (family, ZeRO stage)."""
+"""Vision-language models trained under SP (``tests/test_vision_language.py``): one fit per (family, ZeRO stage),
+with what the vision path did on each rank recorded per step."""
 
 from __future__ import annotations
 
 import torch
-from lightning.pytorch import seed_everything
+from lightning.pytorch import Callback, seed_everything
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
+from lightning_ulysses.models import vision_language
+from lightning_ulysses.models.form_check import probe_running
 from tests.support.training import Recorder, make_trainer
 from tests.support.vision import SEED, VisionLanguageLM
+
+
+class VisionSpy(Callback):
+    """Per training step: the pixel rows this rank's vision tower encoded (per call: images, videos) and the
+    collectives the vision path issued (feature all-to-alls, modality agreements)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self._undo = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        visual = pl_module.model.model.visual
+        self._undo.append(visual.register_forward_pre_hook(self._encoded, with_kwargs=True))
+        original_all_to_all, original_agree = vision_language.all_to_all, vision_language._agree_on_modalities
+
+        def counted_all_to_all(*args, **kwargs):
+            self._count("all_to_all")
+            return original_all_to_all(*args, **kwargs)
+
+        def counted_agree(*args, **kwargs):
+            if not probe_running():
+                self._count("agreements")
+            return original_agree(*args, **kwargs)
+
+        vision_language.all_to_all, vision_language._agree_on_modalities = counted_all_to_all, counted_agree
+        self._originals = (original_all_to_all, original_agree)
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        vision_language.all_to_all, vision_language._agree_on_modalities = self._originals
+        for handle in self._undo:
+            handle.remove()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.steps.append({"encoded_rows": [], "all_to_all": 0, "agreements": 0})
+
+    def _encoded(self, module, args, kwargs) -> None:
+        if self.steps:
+            self.steps[-1]["encoded_rows"].append(int(args[0].shape[0]))
+
+    def _count(self, name: str) -> None:
+        if self.steps:
+            self.steps[-1][name] += 1
 
 
 def run(payload: dict) -> dict:
@@ -15,9 +60,9 @@ def run(payload: dict) -> dict:
     for family, stage in payload["runs"]:
         seed_everything(SEED, verbose=False)
         module = VisionLanguageLM(family, select=payload.get("select"))
-        recorder = Recorder()
+        recorder, spy = Recorder(), VisionSpy()
         trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=payload["sp_size"], stage=stage), max_steps=4,
-                               callbacks=[recorder])
+                               callbacks=[recorder, spy])
         trainer.fit(module)
         results[f"{family}-zero{stage}"] = {
             "losses": recorder.losses,
@@ -25,5 +70,6 @@ def run(payload: dict) -> dict:
             "weights": ({k: v.float().cpu() for k, v in recorder.weights.items()}
                         if torch.distributed.get_rank() == 0 else None),
             "vision_attention": module.model.config.vision_config._attn_implementation,
+            "vision_steps": spy.steps,
         }
     return results
