@@ -10,7 +10,8 @@ from tests.support.launcher import launch
 from tests.support.vision import train_single_device
 from tests.test_parity import rel_diff, update_rel_diff
 
-RUNS = [("qwen2_vl", 2), ("qwen2_5_vl", 2), ("qwen2_vl", 3)]
+RUNS = [("qwen2_vl", 2), ("qwen2_5_vl", 2), ("qwen2_vl", 3), ("qwen2_5_vl", 3)]
+RUNS_SP4 = [("qwen2_5_vl", 2)]
 
 
 @pytest.fixture(scope="module")
@@ -19,14 +20,21 @@ def trained():
 
 
 @pytest.fixture(scope="module")
+def trained_sp4():
+    return launch(4, "vision_language:run", {"runs": RUNS_SP4, "sp_size": 4})
+
+
+@pytest.fixture(scope="module")
 def references():
     return {family: train_single_device(family) for family in {family for family, _ in RUNS}}
 
 
-@pytest.mark.parametrize("family, stage", RUNS, ids=[f"{f}-zero{s}" for f, s in RUNS])
-def test_vision_language_training_matches_single_device(trained, references, family, stage):
+@pytest.mark.parametrize("sp, family, stage", [(2, *run) for run in RUNS] + [(4, *run) for run in RUNS_SP4],
+                         ids=[f"sp2-{f}-zero{s}" for f, s in RUNS] + [f"sp4-{f}-zero{s}" for f, s in RUNS_SP4])
+def test_vision_language_training_matches_single_device(request, references, sp, family, stage):
     from tests.support.vision import build_model
 
+    trained = request.getfixturevalue("trained" if sp == 2 else "trained_sp4")
     reference = references[family]
     for rank in trained:
         result = rank[f"{family}-zero{stage}"]
@@ -72,3 +80,58 @@ def test_the_vision_work_is_split_over_the_ranks_and_exchanged_once_per_modality
                 assert encoded == [units[0], units[1]]  # the video's two temporal patches on two ranks
         for rank_calls in calls:
             assert rank_calls["agreements"] == 1 and rank_calls["all_to_all"] == len(grids)
+
+
+def _prepared_call(family: str, batch: dict, sp: int = 1):
+    """A batch cut by the collate step and the step context of one process (no exchange: sp=1)."""
+    from lightning_ulysses.data.sharding import shard_batch
+    from lightning_ulysses.training.step_context import StepContext
+
+    shard = shard_batch(batch, sp, 0)
+    info = shard.pop("_ulysses")
+    named = dict(shard)
+    named["position_ids"] = info.position_ids
+    return named, info, StepContext(sp_group=None, ulysses_group=None, ring_group=None, in_step=True)
+
+
+def test_images_for_an_unsupported_family_are_refused_with_the_supported_list():
+    from types import SimpleNamespace
+
+    from lightning_ulysses.models import vision_language
+    from tests.support.vision import batches
+
+    named, info, context = _prepared_call("qwen2_vl", batches()[0])
+    model = SimpleNamespace(config=SimpleNamespace(model_type="gemma3", vision_config=object()))
+    with pytest.raises(ValueError, match=r"gemma3.*\['qwen2_5_vl', 'qwen2_vl'\]"):
+        vision_language.complete_call(model, named, info, context)
+
+
+def test_images_on_packed_rows_are_refused():
+    import torch
+
+    from lightning_ulysses.models import vision_language
+    from tests.support.vision import batches, build_model
+
+    batch = dict(batches()[0])
+    length = batch["input_ids"].shape[1]
+    batch["position_ids"] = torch.cat([torch.arange(10), torch.arange(length - 10)])[None]  # two packed samples
+    named, info, context = _prepared_call("qwen2_vl", batch)
+    with pytest.raises(ValueError, match="pack several samples"):
+        vision_language.complete_call(build_model("qwen2_vl"), named, info, context)
+
+
+def test_a_single_process_call_places_every_feature_row_as_the_model_does():
+    """sp=1 through the same path: the model's output equals its own forward on the batch."""
+    import torch
+
+    from lightning_ulysses.models import vision_language
+    from tests.support.vision import batches, build_model
+
+    model = build_model("qwen2_vl").eval()
+    for batch in batches():
+        named, info, context = _prepared_call("qwen2_vl", batch)
+        vision_language.complete_call(model, named, info, context)
+        with torch.no_grad():
+            ours = model(**{k: v for k, v in named.items() if k != "labels"}).logits
+            theirs = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

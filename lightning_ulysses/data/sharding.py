@@ -32,7 +32,7 @@ _CONTRACT_KEYS = (LABELS, SHIFT_LABELS, POSITION_IDS, ATTENTION_MASK)
 VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts",
                "image_sizes", "pixel_attention_mask", "video_second_per_grid")
 # The full batch's token tensors a vision-language model's positions and image placement are computed from.
-_MULTIMODAL_TOKEN_KEYS = (INPUT_IDS, "mm_token_type_ids", ATTENTION_MASK)
+_MULTIMODAL_TOKEN_KEYS = (INPUT_IDS, "mm_token_type_ids", ATTENTION_MASK, POSITION_IDS)
 
 
 def shard_batch(
@@ -82,6 +82,9 @@ def shard_batch(
     if attention_mask is not None:
         _check_right_padding(attention_mask)
 
+    multimodal = None
+    if any(out.get(key) is not None for key in VISION_KEYS):  # before position_ids are filled in: given ones only
+        multimodal = {key: out[key] for key in _MULTIMODAL_TOKEN_KEYS if isinstance(out.get(key), torch.Tensor)}
     if POSITION_IDS not in out:
         out[POSITION_IDS] = torch.arange(S, dtype=torch.long).expand(B, S)
     elif isinstance(out[POSITION_IDS], torch.Tensor) and tuple(out[POSITION_IDS].shape) == (1, S):
@@ -118,9 +121,6 @@ def shard_batch(
             value = _pad_sequence(value, key, padded_len, pad_token_id, ignore_index)
         return value[:, span].contiguous() if span is not None else value[:, index]
 
-    multimodal = None
-    if any(out.get(key) is not None for key in VISION_KEYS):
-        multimodal = {key: out[key] for key in _MULTIMODAL_TOKEN_KEYS if isinstance(out.get(key), torch.Tensor)}
     for key, value in out.items():
         if key in VISION_KEYS:
             continue

@@ -39,10 +39,17 @@ from lightning_ulysses.models.mixers import find_sequence_mixers, is_sequence_mi
 from lightning_ulysses.models.moe import has_load_balancing_loss
 
 
+# Sub-models that attend over their own inputs (image patches), never over sequence shards: their heads are not split.
+_LOCAL_SUB_CONFIGS = ("vision_config",)
+
+
 def _configs(model: nn.Module) -> Iterator[Any]:
+    """The model's config and the sub-configs of the parts that run on sequence shards."""
     config = model.config
     yield config
     for key in getattr(config, "sub_configs", {}) or {}:
+        if key in _LOCAL_SUB_CONFIGS:
+            continue
         sub = getattr(config, key, None)
         if sub is not None:
             yield sub

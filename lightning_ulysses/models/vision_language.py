@@ -12,7 +12,9 @@ Here, inside a step, a prepared model's call is completed before its forward run
 * **positions**: the model's own ``get_rope_index`` runs on the whole batch's token ids (kept by the collate step in
   :attr:`ShardInfo.multimodal <lightning_ulysses.context.ShardInfo>`: ids, not activations) exactly as on one device,
   and this rank takes the columns of its shard: ``[3, B, S] -> [3, B, s]``, passed with the text positions in front
-  (``[4, B, s]``, transformers' packed form);
+  (``[4, B, s]``, transformers' packed form). A batch that carries its own ``position_ids`` keeps them, as one
+  device does (transformers then uses them on all three M-RoPE axes); rows that pack several samples are refused
+  with images or videos;
 * **image and video features**: the batch's images and videos are split over the SP ranks (by the vision tower's
   independent units: one per temporal patch of an item, so a video's frames are spread and an image goes whole;
   contiguous runs balanced by patch count), each rank runs the vision tower on its share only, and one all-to-all sends every
@@ -101,9 +103,16 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
                 " strategy places image features on the shards from the batch the collate step cut. Pass the"
                 " batch's `pixel_values` / `image_grid_thw` (and video keys) in the batch itself."
             )
-        text_positions = named["position_ids"]  # [B, s] global 1-D positions of the shard
-        named["position_ids"] = torch.cat([text_positions[None], _shard_rope_positions(
-            inner, named, shard, model_type, rows, text_positions.device)])  # [4, B, s]
+        if shard.packed:
+            raise ValueError(
+                f"{type(model).__name__} was called with images or videos on rows that pack several samples (their"
+                " `position_ids` restart): multimodal positions per packed sample are not supported under sequence"
+                " parallelism yet. Give one sample per row (right-padded); text-only batches may be packed."
+            )
+        if "position_ids" not in shard.multimodal:  # a batch that gives positions keeps them, as on one device
+            text_positions = named["position_ids"]  # [B, s] global 1-D positions of the shard
+            named["position_ids"] = torch.cat([text_positions[None], _shard_rope_positions(
+                inner, named, shard, model_type, rows, text_positions.device)])  # [4, B, s]
     encoded = dict(named.get("mm_encoder_outputs") or {})
     for (modality, pixels_key, grid_key, token_key), runs in zip(_MODALITIES, running):
         if not runs:
