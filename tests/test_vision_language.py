@@ -135,3 +135,20 @@ def test_a_single_process_call_places_every_feature_row_as_the_model_does():
             ours = model(**{k: v for k, v in named.items() if k != "labels"}).logits
             theirs = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_example_fine_tunes_from_the_command_line():
+    """``python examples/finetune_vlm.py`` as a user runs it: one process, Lightning starts the second; both
+    families, a few steps."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_launchers import clean_env
+
+    root = Path(__file__).resolve().parents[1]
+    for family in ("qwen2_5_vl", "qwen2_vl"):
+        proc = subprocess.run([sys.executable, "examples/finetune_vlm.py", "--family", family, "--steps", "3"],
+                              cwd=root, env=clean_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert f"{family}: 3 steps under sp_size=2, final train_loss=" in proc.stdout
