@@ -10,7 +10,7 @@ from tests.support.launcher import launch
 from tests.support.vision import train_single_device
 from tests.test_parity import rel_diff, update_rel_diff
 
-RUNS = [("qwen2_vl", 2), ("qwen2_5_vl", 2), ("qwen2_vl", 3), ("qwen2_5_vl", 3)]
+RUNS = [("qwen2_vl", 2), ("qwen2_5_vl", 2), ("qwen2_vl", 3), ("qwen2_5_vl", 3), ("llava", 2), ("llava", 3)]
 RUNS_SP4 = [("qwen2_5_vl", 2)]
 
 
@@ -42,9 +42,10 @@ def test_vision_language_training_matches_single_device(request, references, sp,
         assert result["vision_attention"] == "sdpa"  # given back after fit
     weights = trained[0][f"{family}-zero{stage}"]["weights"]
     initial = dict(build_model(family).named_parameters())
-    assert any(name.startswith("model.visual") for name in weights)
+    prefix = "model.vision_tower" if family == "llava" else "model.visual"
+    assert any(name.startswith(prefix) for name in weights)
     assert update_rel_diff(weights, reference["weights"], initial) <= 1e-4
-    vision = {k: v for k, v in weights.items() if k.startswith("model.visual")}
+    vision = {k: v for k, v in weights.items() if k.startswith(prefix)}
     assert update_rel_diff(vision, {k: reference["weights"][k] for k in vision}, initial) <= 1e-4
 
 
@@ -102,7 +103,7 @@ def test_images_for_an_unsupported_family_are_refused_with_the_supported_list():
 
     named, info, context = _prepared_call("qwen2_vl", batches()[0])
     model = SimpleNamespace(config=SimpleNamespace(model_type="gemma3", vision_config=object()))
-    with pytest.raises(ValueError, match=r"gemma3.*\['qwen2_5_vl', 'qwen2_vl'\]"):
+    with pytest.raises(ValueError, match=r"gemma3.*\['llava', 'qwen2_5_vl', 'qwen2_vl'\]"):
         vision_language.complete_call(model, named, info, context)
 
 

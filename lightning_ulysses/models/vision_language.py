@@ -27,7 +27,8 @@ Here, inside a step, a prepared model's call is completed before its forward run
 Every rank runs the vision tower once per modality in a step in which any rank of the world has that modality (one
 all-reduce of two flags per call; a rank without an item of its own encodes a minimal dummy item whose output enters
 the loss times 0), so that ZeRO's gradient reductions and ZeRO-3's parameter gathers are the same on every rank, also
-when data-parallel replicas hold different batches.
+when data-parallel replicas hold different batches. At ZeRO-3 a text-only step runs the dummy too: DeepSpeed's ZeRO-3
+applies a parameter's previous gradient again in a step that does not use it.
 
 Families are listed in :data:`SUPPORTED_FAMILIES`; a batch with images or videos for any other vision-language model
 is refused before its forward with that list.
@@ -35,6 +36,7 @@ is refused before its forward with that list.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -46,10 +48,27 @@ from lightning_ulysses.parallel.exchange import all_to_all
 from lightning_ulysses.parallel.geometry import SequenceGeometry
 from lightning_ulysses.training.step_context import StepContext
 
-# model_type -> the keyword arguments of its get_rope_index beyond the grids and the mask.
-SUPPORTED_FAMILIES: dict[str, tuple[str, ...]] = {
-    "qwen2_vl": (),
-    "qwen2_5_vl": ("second_per_grid_ts",),
+
+@dataclass(frozen=True)
+class Family:
+    """How a vision-language family lays out its vision work and positions.
+
+    Attributes:
+        rope_index_keys: the keyword arguments of its ``get_rope_index`` beyond the grids and the mask, or ``None``
+            when its positions are the plain 1-D ones (no multimodal RoPE).
+        layout: ``"grid"``: the pixels of all items are concatenated patch rows with a ``[items, 3]`` grid
+            (temporal, height, width), and each temporal patch is an independent unit of the tower; ``"batch"``: the
+            pixels are ``[images, C, H, W]``, one unit per image, each giving the same number of feature rows.
+    """
+
+    rope_index_keys: Optional[tuple[str, ...]]
+    layout: str
+
+
+SUPPORTED_FAMILIES: dict[str, Family] = {
+    "qwen2_vl": Family((), "grid"),
+    "qwen2_5_vl": Family(("second_per_grid_ts",), "grid"),
+    "llava": Family(None, "batch"),
 }
 # modality, pixels key, grid key, placeholder token id in the config
 _MODALITIES = (("image", "pixel_values", "image_grid_thw", "image_token_id"),
@@ -90,6 +109,8 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
     present = [named.get(pixels) is not None for _, pixels, _, _ in _MODALITIES]
     running = _agree_on_modalities(present, context)
     if not any(running):
+        if context.zero_stage_3:
+            _keep_vision_in_step(model, named)
         return
     model_type = getattr(model.config, "model_type", None)
     if model_type not in SUPPORTED_FAMILIES:
@@ -109,7 +130,8 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
                 " `position_ids` restart): multimodal positions per packed sample are not supported under sequence"
                 " parallelism yet. Give one sample per row (right-padded); text-only batches may be packed."
             )
-        if "position_ids" not in shard.multimodal:  # a batch that gives positions keeps them, as on one device
+        positions_given = "position_ids" in shard.multimodal  # a batch that gives positions keeps them, as on one device
+        if SUPPORTED_FAMILIES[model_type].rope_index_keys is not None and not positions_given:
             text_positions = named["position_ids"]  # [B, s] global 1-D positions of the shard
             named["position_ids"] = torch.cat([text_positions[None], _shard_rope_positions(
                 inner, named, shard, model_type, rows, text_positions.device)])  # [4, B, s]
@@ -117,11 +139,27 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
     for (modality, pixels_key, grid_key, token_key), runs in zip(_MODALITIES, running):
         if not runs:
             continue
-        rows_here = _exchanged_features(inner, modality, named.pop(pixels_key, None), named.get(grid_key),
-                                        getattr(model.config, token_key), shard, rows, context)
+        rows_here = _exchanged_features(inner, SUPPORTED_FAMILIES[model_type], modality, named.pop(pixels_key, None),
+                                        named.get(grid_key), getattr(model.config, token_key), shard, rows, context)
         encoded[modality] = _as_encoder_output(rows_here)  # [0, H] where this rank's shard has no placeholder
     if encoded:
         named["mm_encoder_outputs"] = encoded
+
+
+def _keep_vision_in_step(model: nn.Module, named: dict[str, Any]) -> None:
+    """A text-only call at ZeRO-3 still runs the vision tower on a dummy item, whose output enters the input
+    embeddings times 0: DeepSpeed's ZeRO-3 applies a parameter's previous gradient again in a step that does not use
+    it (measured: LLaVA's weights drift after a text-only step). The call then takes ``inputs_embeds`` (the same
+    values) instead of ``input_ids``."""
+    model_type = getattr(model.config, "model_type", None)
+    ids = named.get("input_ids")
+    if model_type not in SUPPORTED_FAMILIES or not isinstance(ids, torch.Tensor):
+        return
+    inner = _base_model(model)
+    family = SUPPORTED_FAMILIES[model_type]
+    dummy = _encode(inner, family, "image", *_dummy_item(inner, family))
+    named["inputs_embeds"] = model.get_input_embeddings()(ids) + 0 * dummy.sum()  # [B, s, H]
+    named["input_ids"] = None
 
 
 def _agree_on_modalities(present: list[bool], context: StepContext) -> list[bool]:
@@ -135,10 +173,10 @@ def _agree_on_modalities(present: list[bool], context: StepContext) -> list[bool
 
 
 def _base_model(model: nn.Module) -> nn.Module:
-    """The module holding ``get_rope_index`` and the vision feature methods (``model.model`` of the
-    ``...ForConditionalGeneration`` classes)."""
+    """The module holding the vision feature methods (and ``get_rope_index``): ``model.model`` of the
+    ``...ForConditionalGeneration`` classes."""
     inner = getattr(model, "model", model)
-    if not hasattr(inner, "get_rope_index"):
+    if not hasattr(inner, "get_image_features"):
         raise ValueError(unsupported_family_error(model))
     return inner
 
@@ -151,7 +189,8 @@ def _shard_rope_positions(inner: nn.Module, named: dict[str, Any], shard: ShardI
     token_types = multimodal.get("mm_token_type_ids")
     if token_types is None:
         token_types = _token_types(inner.config, ids)
-    extra = {key: named.get(key) for key in SUPPORTED_FAMILIES[model_type] if named.get(key) is not None}
+    keys = SUPPORTED_FAMILIES[model_type].rope_index_keys or ()
+    extra = {key: named.get(key) for key in keys if named.get(key) is not None}
     with torch.no_grad():
         whole, _ = inner.get_rope_index(ids.to(device), token_types.to(device),
                                         image_grid_thw=named.get("image_grid_thw"),
@@ -194,29 +233,26 @@ def _units(grid: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(k, int(h), int(w)) for k, (t, h, w) in enumerate(grid.tolist()) for _ in range(int(t))]
 
 
-def _exchanged_features(inner: nn.Module, modality: str, pixels: Optional[torch.Tensor], grid: Optional[torch.Tensor],
-                        token_id: int, shard: Optional[ShardInfo], rows: int, context: StepContext) -> torch.Tensor:
+def _exchanged_features(inner: nn.Module, family: Family, modality: str, pixels: Optional[torch.Tensor],
+                        grid: Optional[torch.Tensor], token_id: int, shard: Optional[ShardInfo], rows: int,
+                        context: StepContext) -> torch.Tensor:
     """``[n, H]``: the feature rows of the placeholders of this rank's shard, in its token order, encoded by the ranks
     that own their units and exchanged by one all-to-all (see the module docstring)."""
     group = context.sp_group
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     sp, me = (dist.get_world_size(group), dist.get_rank(group)) if distributed else (1, 0)
-    merge = inner.config.vision_config.spatial_merge_size
-    if pixels is None or grid is None:  # another replica has this modality: encode a dummy to keep ZeRO in step
-        dummy = _encode(inner, modality, *_dummy_item(inner))
+    if pixels is None or (family.layout == "grid" and grid is None):  # another replica has this modality:
+        dummy = _encode(inner, family, modality, *_dummy_item(inner, family))  # encode a dummy to keep ZeRO in step
         return dummy[:0] + 0 * dummy.sum()  # [0, H], connected to the graph with gradient 0
-    units = _units(grid)
-    patches = [h * w for _, h, w in units]
-    tokens = [p // merge ** 2 for p in patches]
-    owners = _owners(patches, sp)
+    sizes, tokens = _unit_sizes(inner, family, pixels, grid, shard, token_id)
+    owners = _owners(sizes, sp)
     mine = [u for u, owner in enumerate(owners) if owner == me]  # contiguous
     if mine:
         first, last = mine[0], mine[-1] + 1
-        patch_start, token_start = sum(patches[:first]), sum(tokens[:first])
-        local = _encode(inner, modality, pixels[patch_start:patch_start + sum(patches[first:last])],
-                        _sub_grid(units[first:last], grid))  # [t, H]: rows token_start ... of the batch's features
+        token_start = sum(tokens[:first])
+        local = _encode(inner, family, modality, *_unit_slice(family, pixels, grid, sizes, first, last))  # [t, H]
     else:
-        dummy = _encode(inner, modality, *_dummy_item(inner))
+        dummy = _encode(inner, family, modality, *_dummy_item(inner, family))
         local, token_start = dummy[:0] + 0 * dummy.sum(), 0  # [0, H]
     if sp == 1:
         return local[_needed_rows(shard, token_id, rows, shard.global_index).to(local.device) - token_start]
@@ -231,6 +267,30 @@ def _exchanged_features(inner: nn.Module, modality: str, pixels: Optional[torch.
     # received is grouped by source rank, each group in my token order: put it back in my token order
     order = torch.cat([(sources == s).nonzero(as_tuple=True)[0] for s in range(sp)])  # [n] my position of each row
     return received[torch.argsort(order).to(received.device)]  # [n, H] in my token order
+
+
+def _unit_sizes(inner: nn.Module, family: Family, pixels: torch.Tensor, grid: Optional[torch.Tensor],
+                shard: ShardInfo, token_id: int) -> tuple[list[int], list[int]]:
+    """Per unit of the vision tower: its size (patches, for balancing) and the feature rows it gives."""
+    if family.layout == "grid":
+        merge = inner.config.vision_config.spatial_merge_size
+        sizes = [h * w for _, h, w in _units(grid)]
+        return sizes, [size // merge ** 2 for size in sizes]
+    images = int(pixels.shape[0])
+    placeholders = int((shard.multimodal["input_ids"] == token_id).sum())
+    if images == 0 or placeholders % images:
+        raise ValueError(f"The batch has {placeholders} image placeholder tokens for {images} images; this family"
+                         " gives every image the same number of feature rows.")
+    return [1] * images, [placeholders // images] * images
+
+
+def _unit_slice(family: Family, pixels: torch.Tensor, grid: Optional[torch.Tensor], sizes: list[int], first: int,
+                last: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The pixels (and grid) of units ``first`` to ``last - 1``."""
+    if family.layout == "batch":
+        return pixels[first:last], None
+    start = sum(sizes[:first])
+    return pixels[start:start + sum(sizes[first:last])], _sub_grid(_units(grid)[first:last], grid)
 
 
 def _sub_grid(units: list[tuple[int, int, int]], grid: torch.Tensor) -> torch.Tensor:
@@ -257,20 +317,27 @@ def _needed_rows(shard: ShardInfo, token_id: int, rows: int, index: torch.Tensor
     return number[:, index.clamp(max=S - 1)][held[:rows].nonzero(as_tuple=True)]
 
 
-def _dummy_item(inner: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """The smallest item the vision tower takes: one temporal patch of ``merge × merge`` patches, zeros."""
+def _dummy_item(inner: nn.Module, family: Family) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The smallest item the vision tower takes, zeros: one temporal patch of ``merge × merge`` patches (grid
+    layout) or one image of the tower's size (batch layout)."""
     vision = inner.config.vision_config
+    device = next(inner.parameters()).device
+    if family.layout == "batch":
+        return torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size, device=device), None
     merge = vision.spatial_merge_size
     width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-    device = next(inner.parameters()).device
     return (torch.zeros(merge * merge, width, device=device),
             torch.tensor([[1, merge, merge]], device=device))
 
 
-def _encode(inner: nn.Module, modality: str, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+def _encode(inner: nn.Module, family: Family, modality: str, pixels: torch.Tensor,
+            grid: Optional[torch.Tensor]) -> torch.Tensor:
     """``[N, H]``: the feature rows of the items in ``pixels`` (with their ``grid``), in item order."""
-    method = inner.get_image_features if modality == "image" else inner.get_video_features
-    output = method(pixels, grid, return_dict=True)
+    if family.layout == "batch":
+        output = inner.get_image_features(pixel_values=pixels, return_dict=True)
+    else:
+        method = inner.get_image_features if modality == "image" else inner.get_video_features
+        output = method(pixels, grid, return_dict=True)
     return torch.cat(list(output.pooler_output), dim=0)
 
 

@@ -22,7 +22,8 @@ class VisionSpy(Callback):
         self._undo = []
 
     def setup(self, trainer, pl_module, stage) -> None:
-        visual = pl_module.model.model.visual
+        inner = pl_module.model.model
+        visual = inner.visual if hasattr(inner, "visual") else inner.vision_tower
         self._undo.append(visual.register_forward_pre_hook(self._encoded, with_kwargs=True))
         original_all_to_all, original_agree = vision_language.all_to_all, vision_language._agree_on_modalities
 

@@ -33,14 +33,28 @@ def tiny_config(family: str) -> Any:
         return Qwen2_5_VLConfig(text_config=text, vision_config=dict(vision, intermediate_size=48, out_hidden_size=32,
                                                                      window_size=16, fullatt_block_indexes=[1]),
                                 **tokens)
+    if family == "llava":
+        from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+        clip = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=LLAVA_IMAGE, patch_size=PATCH, projection_dim=32)
+        llama = LlamaConfig(**{k: v for k, v in text.items() if k != "rope_parameters"})
+        return LlavaConfig(vision_config=clip, text_config=llama, image_token_id=IMAGE,
+                           image_seq_length=LLAVA_TOKENS, projector_hidden_act="gelu")
     raise ValueError(family)
 
 
+LLAVA_IMAGE = 16  # pixels per side of a LLaVA image: (16 / 4)^2 = 16 patches, 16 feature rows (CLS dropped)
+LLAVA_TOKENS = (LLAVA_IMAGE // PATCH) ** 2
+
+
 def build_model(family: str) -> torch.nn.Module:
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+    from transformers import (LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2VLForConditionalGeneration)
 
     torch.manual_seed(SEED)
-    cls = Qwen2VLForConditionalGeneration if family == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
+    cls = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+           "llava": LlavaForConditionalGeneration}[family]
     model = cls(tiny_config(family))
     model.config._attn_implementation = "sdpa"  # also the sub-configs
     return model
@@ -102,7 +116,7 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     if not bool(mask.all()):
         batch["attention_mask"] = mask
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-        parts = [s[key] for s in samples if key in s]
+        parts = [s[key] for s in samples if key in s]  # row order: the order of the placeholders
         if parts:
             batch[key] = torch.cat(parts)
     return batch
@@ -121,8 +135,27 @@ def batches(seq_multiple: int = 2) -> list[dict[str, torch.Tensor]]:
     return [collate([one]), collate([several]), collate([video]), collate(padded_pair)]
 
 
-def selected_batches(select: Optional[list[int]] = None) -> list[dict[str, torch.Tensor]]:
-    every = batches()
+def llava_batches() -> list[dict[str, torch.Tensor]]:
+    """LLaVA's batches (fixed-size images, ``pixel_values`` ``[images, 3, H, W]``, 16 placeholders each): (a) one
+    image straddling the middle of the row, (b) three images, (c) two rows, one text-only, right-padded, (d) text
+    only."""
+    rng = np.random.default_rng(11)
+
+    def one(before: int, images: int, after: int) -> dict[str, Any]:
+        ids = _text(rng, before)
+        for _ in range(images):
+            ids += [IMAGE] * LLAVA_TOKENS + _text(rng, 2)
+        out = {"input_ids": torch.tensor(ids + _text(rng, after))}
+        if images:
+            out["pixel_values"] = torch.from_numpy(rng.standard_normal((images, 3, LLAVA_IMAGE, LLAVA_IMAGE))).float()
+        return out
+
+    return [collate([one(9, 1, 9)]), collate([one(3, 3, 4)]), collate([one(5, 1, 6), one(12, 0, 0)]),
+            collate([one(30, 0, 0)])]
+
+
+def selected_batches(select: Optional[list[int]] = None, family: str = "qwen2_vl") -> list[dict[str, torch.Tensor]]:
+    every = llava_batches() if family == "llava" else batches()
     return every if select is None else [every[i] for i in select]
 
 
@@ -149,6 +182,7 @@ class VisionLanguageLM(LightningModule):
         self.model = build_model(family)
         self.lr = lr
         self.select = select
+        self.family = family
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(**batch).loss
@@ -159,7 +193,7 @@ class VisionLanguageLM(LightningModule):
         return torch.optim.SGD(self.model.parameters(), lr=self.lr)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(BatchList(selected_batches(self.select)), batch_size=1, collate_fn=_first)
+        return DataLoader(BatchList(selected_batches(self.select, self.family)), batch_size=1, collate_fn=_first)
 
 
 def train_single_device(family: str, lr: float = 0.5, select: Optional[list[int]] = None) -> dict[str, Any]:
@@ -170,7 +204,7 @@ def train_single_device(family: str, lr: float = 0.5, select: Optional[list[int]
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    chosen = selected_batches(select)
+    chosen = selected_batches(select, family)
     for batch in [chosen[i] for i in lightning_order(len(chosen), SEED)]:
         optimizer.zero_grad()
         loss = model(**batch).loss
