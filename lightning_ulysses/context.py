@@ -43,8 +43,9 @@ class ShardInfo:
             what a single device's length-dependent RoPE sees (:mod:`lightning_ulysses.models.rope`).
         multimodal: for a batch with images or videos, the full batch's token tensors ``{"input_ids",
             "mm_token_type_ids", "attention_mask", "position_ids"}`` as the batch gave them (``[B, S]`` each, before
-            the padding; token ids and positions, never activations): what a vision-language model's multimodal positions and the placement of its image
-            features are computed from (:mod:`lightning_ulysses.models.vision_language`). ``None`` otherwise.
+            the padding; token ids and positions, never activations): what a vision-language model's multimodal
+            positions and the placement of its image features are computed from
+            (:mod:`lightning_ulysses.models.vision_language`). ``None`` otherwise.
     """
 
     __slots__ = ("seq_len", "cu_seqlens", "max_seqlen", "window_tokens", "batch_size", "fingerprint",

@@ -5,7 +5,8 @@ to the object that owns it:
 
 * the DP×SP layout: :class:`~lightning_ulysses.parallel.layout.SequenceParallelLayout`;
 * the models, found, validated and prepared per stage: :class:`~lightning_ulysses.models.preparation.PreparedModels`;
-* every step (shard facts, checks, the gradient factor, the step API): :class:`~lightning_ulysses.training.step_runner.StepRunner`;
+* every step (shard facts, checks, the gradient factor, the step API):
+  :class:`~lightning_ulysses.training.step_runner.StepRunner`;
 * the DataLoaders: :func:`~lightning_ulysses.data.setup.prepare_dataloader`;
 * checkpoints: :mod:`~lightning_ulysses.checkpoint.saving`;
 * every change to objects the strategy does not own, undone in teardown: :class:`~lightning_ulysses.patches.PatchStack`;
@@ -113,8 +114,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         check_model_form: before the first step of every Trainer stage (fit, validate, test, predict), run the
             model on a short probe whole and sharded on every rank and stop, before any weight changes, if its output
             depends on which shard a rank holds (a model that computes positions, a RoPE frequency choice or a window
-            from its shard as if it were the whole sequence; see :mod:`lightning_ulysses.models.form_check`). Two forward
-            passes of a few tokens per stage. ``False`` skips it.
+            from its shard as if it were the whole sequence; see :mod:`lightning_ulysses.models.form_check`). Two
+            forward passes of a few tokens per stage. ``False`` skips it.
         ring_size: Hybrid Ulysses × ring sequence parallelism (USP): the SP group is ``ring_size`` ring groups of
             ``sp_size / ring_size`` Ulysses ranks (consecutive ranks, so a Ulysses group stays inside a node).
             Attention exchanges heads over the Ulysses ranks, then attends across the ring groups (key/value blocks
@@ -382,7 +383,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Lightning's DeepSpeed checkpoint (a directory; every rank writes its shard), marked complete only once every
-        rank has written, with the layout and the Hugging Face models recorded (:mod:`lightning_ulysses.checkpoint.markers`)."""
+        rank has written, with the layout and the Hugging Face models recorded
+        (:mod:`lightning_ulysses.checkpoint.markers`)."""
         if storage_options is not None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # raises Lightning's TypeError
         saving.save(self, checkpoint, filepath,
@@ -441,8 +443,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
     def shard_positions(self, shard_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
         """Global positions ``[shard_len]`` of this rank's sequence shard (for rotary/absolute position embeddings
         of your own model; batches from the strategy's loaders also carry them as ``position_ids``). With
-        ``ring_size > 1`` the shard is the zigzag pieces :class:`~lightning_ulysses.parallel.geometry.SequenceGeometry` places
-        on this rank."""
+        ``ring_size > 1`` the shard is the zigzag pieces
+        :class:`~lightning_ulysses.parallel.geometry.SequenceGeometry` places on this rank."""
         return self.runner.shard_positions(shard_len, device)
 
     def token_losses(self) -> torch.Tensor:

@@ -12,9 +12,10 @@ ZeRO shard into. On top of it the strategy keeps two promises:
   strategy refuses to load. (DeepSpeed's own ``latest`` file is no such marker: rank 0 writes it without waiting for
   the other ranks.)
 * **Exact resume.** The train DataLoader remembers how many batches of which epoch it has handed out
-  (:class:`lightning_ulysses.data.loaders.ResumableLoaderMixin`); Lightning saves that with the checkpoint and, on ``fit(ckpt_path=...)``, the
-  loader skips exactly those batches of the restored epoch at the index level (no sample is loaded to be thrown
-  away). Without it Lightning restarts a mid-epoch checkpoint's epoch at its first batch and ends it early.
+  (:class:`lightning_ulysses.data.loaders.ResumePosition`); Lightning saves that with the checkpoint and, on
+  ``fit(ckpt_path=...)``, the loader skips exactly those batches of the restored epoch at the index level (no sample
+  is loaded to be thrown away). Without it Lightning restarts a mid-epoch checkpoint's epoch at its first batch and
+  ends it early.
 
 The strategy's save/load is :mod:`lightning_ulysses.checkpoint.saving`; export to portable files is
 :mod:`lightning_ulysses.checkpoint.export`; loading on another layout is :mod:`lightning_ulysses.checkpoint.resharding`.

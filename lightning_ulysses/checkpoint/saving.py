@@ -1,7 +1,7 @@
 """Saving and loading the strategy's checkpoints: a DeepSpeed checkpoint with a completion marker (layout, Hugging
 Face models, file digests), and a load after validating it, on the same layout through DeepSpeed or on another number
-of ranks or ZeRO stage through :mod:`lightning_ulysses.checkpoint.resharding`. Called by the strategy's ``save_checkpoint`` /
-``load_checkpoint`` with Lightning's own save and load (its parent's methods) to wrap."""
+of ranks or ZeRO stage through :mod:`lightning_ulysses.checkpoint.resharding`. Called by the strategy's
+``save_checkpoint`` / ``load_checkpoint`` with Lightning's own save and load (its parent's methods) to wrap."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def zero_stage(strategy: Any) -> int:
 
 def save(strategy: Any, checkpoint: dict, filepath: Any, save_with_lightning: Callable[[dict, Any], None]) -> None:
     """Lightning's DeepSpeed checkpoint (a directory; every rank writes its shard), marked complete only once every
-    rank has written, with the layout and the Hugging Face models recorded (see :mod:`lightning_ulysses.checkpoint.markers`)."""
+    rank has written, with the layout and the Hugging Face models recorded (see
+    :mod:`lightning_ulysses.checkpoint.markers`)."""
     filepath = strategy.broadcast(filepath)
     record = {
         "world_size": strategy.world_size, "sp_size": strategy.sp_size, "dp_size": strategy.dp_size,

@@ -10,9 +10,9 @@
 * **Initialisation after construction.** Code that initialises parameters *after* their module was built (PEFT's LoRA
   layers: ``nn.init.zeros_(lora_B.weight)`` once ``lora_B`` exists) writes into an empty ZeRO-3 partition: the call
   does nothing and ``lora_B`` keeps ``nn.Linear``'s random default instead of zeros: training starts from a model
-  that is no longer the pretrained one, with no error. :func:`partition_aware_init` makes ``torch.nn.init``'s in-place functions gather
-  a partitioned parameter, initialise it (on every rank, so the random streams advance as in a plain process) and
-  partition rank 0's result again.
+  that is no longer the pretrained one, with no error. :func:`partition_aware_init` makes ``torch.nn.init``'s in-place
+  functions gather a partitioned parameter, initialise it (on every rank, so the random streams advance as in a plain
+  process) and partition rank 0's result again.
 * **Train mode.** ``from_pretrained`` returns a model in eval mode and Lightning (>= 2.2) keeps submodule modes, so
   inside ``fit`` such a model would silently run without gradient checkpointing and without dropout.
   :func:`switch_to_train_mode` puts a model whose root is in eval mode into train mode for ``fit``;

@@ -1,7 +1,8 @@
-"""What a sequence-mixer family's recipe builds (:mod:`lightning_ulysses.models.mixer_families`): a :class:`HeadSlicing`,
-the description of how to narrow one module to the heads (or channels) of one SP rank, and the pieces recipes share
-(:func:`share`, :func:`span`, :class:`GatedNormAcrossRanks`). Applying a recipe is :mod:`lightning_ulysses.models.mixer_heads`;
-this module depends on neither, so the families and the code that runs them import it without importing each other.
+"""What a sequence-mixer family's recipe builds (:mod:`lightning_ulysses.models.mixer_families`): a
+:class:`HeadSlicing`, the description of how to narrow one module to the heads (or channels) of one SP rank, and the
+pieces recipes share (:func:`share`, :func:`span`, :class:`GatedNormAcrossRanks`). Applying a recipe is
+:mod:`lightning_ulysses.models.mixer_heads`; this module depends on neither, so the families and the code that runs
+them import it without importing each other.
 """
 
 from __future__ import annotations

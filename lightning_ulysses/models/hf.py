@@ -1,8 +1,9 @@
 """Preparing a Hugging Face ``PreTrainedModel`` for SP and restoring it: Ulysses attention (its config points at the
 ``ulysses_<impl>`` functions of :mod:`lightning_ulysses.models.hf_attention`), the SP loss, sequence mixers run whole
-(:mod:`lightning_ulysses.models.mixers`), the completion of model calls (:mod:`lightning_ulysses.models.calls`) and the KV cache
-off. :func:`restore_model` undoes all of it, so a model is plain again after ``trainer.fit`` and two Trainers can
-follow each other in one process. The checks a model must pass first are in :mod:`lightning_ulysses.models.refusals`.
+(:mod:`lightning_ulysses.models.mixers`), the completion of model calls (:mod:`lightning_ulysses.models.calls`) and
+the KV cache off. :func:`restore_model` undoes all of it, so a model is plain again after ``trainer.fit`` and two
+Trainers can follow each other in one process. The checks a model must pass first are in
+:mod:`lightning_ulysses.models.refusals`.
 """
 
 from __future__ import annotations

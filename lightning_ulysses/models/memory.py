@@ -239,7 +239,8 @@ def tiled_cross_entropy_sum(hidden: torch.Tensor, lm_head: nn.Module, shift_labe
 
 def tiled_token_statistics(hidden: torch.Tensor, lm_head: nn.Module, shift_labels: torch.Tensor,
                            chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~lightning_ulysses.training.loss.token_statistics` with one chunk's logits alive at a time (no gradients)."""
+    """:func:`~lightning_ulysses.training.loss.token_statistics` with one chunk's logits alive at a time (no
+    gradients)."""
     parts = [token_statistics(lm_head(h), y) for h, y in zip(torch.tensor_split(hidden, chunks, dim=1),
                                                               torch.tensor_split(shift_labels, chunks, dim=1))]
     return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)  # [B, s] each

@@ -15,12 +15,13 @@ rank ``j`` of the SP group:
 
 Exact (a sum over heads instead of one matmul over them), and the mixer's activations and compute per rank fall by
 ``sp``. A family is one recipe returning a :class:`~lightning_ulysses.models.head_slicing.HeadSlicing`, one module of
-:mod:`lightning_ulysses.models.mixer_families`, chosen by what the module *is* (its attributes and submodules); this module
-applies the recipes (:func:`head_slicing` picks one, :func:`narrowed` applies it). Heads that ``sp`` does not divide
-split unevenly (the first ranks take one more, as attention's heads do). The narrowed submodules and parameters shadow
-the real ones through the module's instance ``__dict__``, so the parameter registries DeepSpeed walks are never
+:mod:`lightning_ulysses.models.mixer_families`, chosen by what the module *is* (its attributes and submodules); this
+module applies the recipes (:func:`head_slicing` picks one, :func:`narrowed` applies it). Heads that ``sp`` does not
+divide split unevenly (the first ranks take one more, as attention's heads do). The narrowed submodules and parameters
+shadow the real ones through the module's instance ``__dict__``, so the parameter registries DeepSpeed walks are never
 touched; under ZeRO-3 the submodules' weights are registered as external parameters of the mixer
-(:mod:`lightning_ulysses.models.mixers`), so they are gathered for its whole forward and backward and can be sliced there.
+(:mod:`lightning_ulysses.models.mixers`), so they are gathered for its whole forward and backward and can be sliced
+there.
 """
 
 from __future__ import annotations

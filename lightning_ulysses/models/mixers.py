@@ -6,10 +6,10 @@ exchange here gives it the whole sequence: before the mixer, one all-gather over
 ``[B, s, H]`` input into the full ``[B, S, H]``. Then the mixer's **own** forward (its projections, its convolution
 and scan kernels: transformers' torch fallbacks on CPU, ``fla`` / ``mamba_ssm`` / ``causal_conv1d`` on CUDA when
 installed) runs on it, narrowed to this rank's heads or channels by the recipe of its family
-(:mod:`lightning_ulysses.models.mixer_families`, :mod:`lightning_ulysses.models.mixer_heads`), and the partial outputs are summed
-and scattered back to shards (one reduce-scatter; backward: an all-gather, then the reduce-scatter of the input
-gradients). A mixer no family claims runs whole on every rank and keeps its ``[B, s, H]`` slice of the output: exact
-too, but its activations and compute are not divided by ``sp``.
+(:mod:`lightning_ulysses.models.mixer_families`, :mod:`lightning_ulysses.models.mixer_heads`), and the partial outputs
+are summed and scattered back to shards (one reduce-scatter; backward: an all-gather, then the reduce-scatter of the
+input gradients). A mixer no family claims runs whole on every rank and keeps its ``[B, s, H]`` slice of the output:
+exact too, but its activations and compute are not divided by ``sp``.
 
 Packed documents (``position_ids`` restarting at 0): the mixer runs once per document, so no recurrence or
 convolution crosses a document start, as separate rows on one device would.

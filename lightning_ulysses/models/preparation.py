@@ -155,8 +155,8 @@ class PreparedModels:
 
     def check_form(self, batch: Any, context: StepContext, layout: SequenceParallelLayout,
                    device: torch.device) -> bool:
-        """The model-form check (:mod:`lightning_ulysses.models.form_check`) on the first step's batch; ``False`` when the
-        batch gives nothing to probe with."""
+        """The model-form check (:mod:`lightning_ulysses.models.form_check`) on the first step's batch; ``False`` when
+        the batch gives nothing to probe with."""
         ids = batch.get("input_ids") if isinstance(batch, dict) else None
         if context.shard_info is None or not isinstance(ids, torch.Tensor):
             return False

@@ -347,8 +347,8 @@ def _modeling_modules(cls: type) -> list[ModuleType]:
 def _router_loss_per_shard(model: nn.Module) -> bool:
     """Whether ``model`` computes an MoE router loss that would see only this rank's tokens: one of its modeling
     modules (its class's or a base class's) defines a router loss function, and it is not the
-    ``load_balancing_loss_func`` of the model's own modeling module, which :mod:`lightning_ulysses.models.moe` replaces by
-    the global batch's. (Models whose modeling module defines none compute no router loss: their
+    ``load_balancing_loss_func`` of the model's own modeling module, which :mod:`lightning_ulysses.models.moe`
+    replaces by the global batch's. (Models whose modeling module defines none compute no router loss: their
     ``output_router_logits`` only returns the logits.)"""
     if has_load_balancing_loss(model):
         return False

@@ -17,12 +17,12 @@ Here, inside a step, a prepared model's call is completed before its forward run
   with images or videos;
 * **image and video features**: the batch's images and videos are split over the SP ranks (by the vision tower's
   independent units: one per temporal patch of an item, so a video's frames are spread and an image goes whole;
-  contiguous runs balanced by patch count), each rank runs the vision tower on its share only, and one all-to-all sends every
-  feature row to the rank whose shard holds its placeholder token (an image whose tokens straddle a shard boundary
-  sends its first rows to one rank and the rest to the next). The rows reach the model as ``mm_encoder_outputs``, in
-  the shard's token order, so its own ``masked_scatter`` places them. The all-to-all's backward sends each row's
-  gradient back to the rank that encoded it; DeepSpeed's sum over the ranks gives the vision tower one device's
-  gradient. Vision memory and time per rank fall with sp.
+  contiguous runs balanced by patch count), each rank runs the vision tower on its share only, and one all-to-all
+  sends every feature row to the rank whose shard holds its placeholder token (an image whose tokens straddle a shard
+  boundary sends its first rows to one rank and the rest to the next). The rows reach the model as
+  ``mm_encoder_outputs``, in the shard's token order, so its own ``masked_scatter`` places them. The all-to-all's
+  backward sends each row's gradient back to the rank that encoded it; DeepSpeed's sum over the ranks gives the vision
+  tower one device's gradient. Vision memory and time per rank fall with sp.
 
 Every rank runs the vision tower once per modality in a step in which any rank of the world has that modality (one
 all-reduce of two flags per call; a rank without an item of its own encodes a minimal dummy item whose output enters
@@ -130,7 +130,7 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
                 " `position_ids` restart): multimodal positions per packed sample are not supported under sequence"
                 " parallelism yet. Give one sample per row (right-padded); text-only batches may be packed."
             )
-        positions_given = "position_ids" in shard.multimodal  # a batch that gives positions keeps them, as on one device
+        positions_given = "position_ids" in shard.multimodal  # given positions are kept, as on one device
         if SUPPORTED_FAMILIES[model_type].rope_index_keys is not None and not positions_given:
             text_positions = named["position_ids"]  # [B, s] global 1-D positions of the shard
             named["position_ids"] = torch.cat([text_positions[None], _shard_rope_positions(

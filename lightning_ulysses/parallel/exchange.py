@@ -13,10 +13,10 @@ expanded to one per query head so each rank holds the KV heads of its own query 
 ``ceil(Hq / sp)`` heads: attention time and memory follow that rank, e.g. 6 heads at sp 4 cost 2/6 of the work on
 the busiest rank instead of the 1.5/6 an even split would.
 
-The sequence mixers (:mod:`lightning_ulysses.models.mixers`, :mod:`lightning_ulysses.models.mixer_heads`) exchange differently: an
-all-gather of the sequence shards before the mixer, a reduce-scatter of the ranks' partial outputs after it (each the
-other's backward), and an all-reduce for the few projections every rank needs whole. Those are the functions at the
-end of this module, the only place they are written.
+The sequence mixers (:mod:`lightning_ulysses.models.mixers`, :mod:`lightning_ulysses.models.mixer_heads`) exchange
+differently: an all-gather of the sequence shards before the mixer, a reduce-scatter of the ranks' partial outputs
+after it (each the other's backward), and an all-reduce for the few projections every rank needs whole. Those are the
+functions at the end of this module, the only place they are written.
 """
 
 from __future__ import annotations

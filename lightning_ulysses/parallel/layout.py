@@ -1,6 +1,7 @@
 """The DP×SP layout of the world: one object owns the device mesh ``("dp", "ring", "ulysses")`` (``"sp"`` is its
 flattened ``ring × ulysses`` part; ``ring_size = 1`` is the plain Ulysses case, not a special one), the groups, the
-ranks and the sequence geometry (:class:`~lightning_ulysses.parallel.geometry.SequenceGeometry`); everything else asks it.
+ranks and the sequence geometry (:class:`~lightning_ulysses.parallel.geometry.SequenceGeometry`); everything else asks
+it.
 
 Ranks are laid out with SP innermost (and Ulysses innermost inside SP): global rank ``r`` sits at
 ``(dp_rank, sp_rank) = divmod(r, sp_size)``, so the ranks ``[k * sp_size, (k + 1) * sp_size)`` form one SP group.

@@ -55,10 +55,11 @@ def _sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, c: int, window: Option
     """The (query slice, key slice, causal, mask) of the parts of a ``[2c, 2c]`` zigzag block that have anything to
     attend to. Plain causal attention: one part per block (this rank's own block is causal as a whole; another
     rank's block is seen entirely by the queries of one chunk or in its first chunk by all queries). With a window
-    or packed documents: each ``[c, c]`` sub-block that has anything to attend to, ``causal`` when the two halves are the same positions without a window or documents (the
-    kernels' own causal mode), else ``mask`` (``[c, c]``, or ``[B, 1, c, c]`` with packed ``documents [B, S]``: True =
-    attend) or ``None`` where every entry is allowed. With the zigzag layout about half of the sub-blocks are empty
-    and skipped (with packed documents also those whose queries' documents start after their keys)."""
+    or packed documents: each ``[c, c]`` sub-block that has anything to attend to, ``causal`` when the two halves are
+    the same positions without a window or documents (the kernels' own causal mode), else ``mask`` (``[c, c]``, or
+    ``[B, 1, c, c]`` with packed ``documents [B, S]``: True = attend) or ``None`` where every entry is allowed. With
+    the zigzag layout about half of the sub-blocks are empty and skipped (with packed documents also those whose
+    queries' documents start after their keys)."""
     if not window and documents is None:  # plain causal: the zigzag block is one kernel call
         if torch.equal(q_pos, k_pos):  # this rank's own block: positions ascending, exactly causal
             yield slice(0, 2 * c), slice(0, 2 * c), True, None
@@ -269,9 +270,10 @@ class _RingAttention(torch.autograd.Function):
     """Ring attention with point-to-point passing of K/V blocks and an exact log-sum-exp merge. Each sub-block runs
     a fused kernel that returns its log-sum-exp (:func:`block_kernel`: torch's flash-attention-for-CPU op on CPU, its
     memory-efficient attention op on CUDA, each with its backward op; the plain matmul path elsewhere); the backward
-    pass calls the kernel's backward with the queries' final output and log-sum-exp, so nothing is recomputed twice. K/V blocks travel while the current block computes, in forward
-    and in backward; in backward the key/value gradients follow each block around the ring and return to its owner.
-    Sub-blocks with nothing to attend to (the zigzag layout makes about half of them) are skipped.
+    pass calls the kernel's backward with the queries' final output and log-sum-exp, so nothing is recomputed twice.
+    K/V blocks travel while the current block computes, in forward and in backward; in backward the key/value
+    gradients follow each block around the ring and return to its owner. Sub-blocks with nothing to attend to (the
+    zigzag layout makes about half of them) are skipped.
 
     Shapes: ``q [B, hq, L, D]``, ``k/v [B, hkv, L, D]`` (this ring rank's zigzag tokens), output ``[B, hq, L, D]``.
     """

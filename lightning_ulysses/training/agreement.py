@@ -4,9 +4,10 @@ If peers hold different samples (a user's own ``DistributedSampler`` over the wh
 split by global rank, random augmentation seeded per rank), equal lengths train on stitched shards of different
 samples with normal-looking losses, unequal lengths abort inside the all-to-all, and unequal batch counts hang. So
 the collate step fingerprints the full batch before cutting the shard
-(:func:`lightning_ulysses.data.fingerprint.batch_fingerprint`, in the loader's workers), and before each step's compute the SP group compares fingerprints with one tiny all-reduce
-(:class:`SPAgreement`). A rank whose loader is exhausted takes part once more with an end-of-data marker, so a peer
-that still has a batch fails the comparison instead of waiting forever in its next collective.
+(:func:`lightning_ulysses.data.fingerprint.batch_fingerprint`, in the loader's workers), and before each step's
+compute the SP group compares fingerprints with one tiny all-reduce (:class:`SPAgreement`). A rank whose loader is
+exhausted takes part once more with an end-of-data marker, so a peer that still has a batch fails the comparison
+instead of waiting forever in its next collective.
 """
 
 from __future__ import annotations

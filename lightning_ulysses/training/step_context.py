@@ -40,8 +40,8 @@ class StepContext:
         plain: the prepared models run as plain, unsharded models (generation): no exchange, no call completion.
         step_batch_tensors: the step batch's own ``position_ids`` / ``attention_mask`` tensors (a model call given
             exactly these needs no check).
-        device_positions: the current shard's positions on the model's device, ``{(id(shard), device): (shard, [B, s])}``.
-        zero_stage_3: ZeRO-3 partitions the parameters: sequence mixers register their submodules' weights as
+        device_positions: the current shard's positions on the model's device, ``{(id(shard), device): (shard, [B,
+        s])}``. zero_stage_3: ZeRO-3 partitions the parameters: sequence mixers register their submodules' weights as
             external parameters (:mod:`lightning_ulysses.models.mixers`).
         router_token_mask: ``[B, s]`` bool, the tokens of the last model call that count for the MoE router loss
             (not the padding to the SP multiple; not the batch's padding when the call was given its mask).
