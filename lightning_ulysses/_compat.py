@@ -17,7 +17,8 @@ DeepSpeed (0.19):
     (``optimizer._link_all_hp_params``), :func:`restore_from_bit16_override`
     (``optimizer._restore_from_bit16_weights``), the ZeRO optimizer attributes :data:`ZERO12_STATE` /
     :data:`ZERO3_STATE` that re-partitioning reads, and ZeRO-3's parameter attributes (:func:`is_zero3_gathered`,
-    :func:`is_zero3_released`, :func:`defer_zero3_gradient`).
+    :func:`is_zero3_released`, :func:`defer_zero3_gradient`), ZeRO-3's flat gradient-partition buffer
+    (:func:`clear_zero3_gradient_partitions`).
 torch (2.13):
     the private attention ops with log-sum-exp output the ring kernels call (:func:`cpu_flash_attention`,
     :func:`cpu_flash_attention_backward`, :func:`efficient_attention`, :func:`efficient_attention_backward`).
@@ -187,6 +188,16 @@ def restore_from_bit16_override(optimizer: Any, restore: Callable[[], None]) -> 
         yield
     finally:
         del optimizer._restore_from_bit16_weights
+
+
+def clear_zero3_gradient_partitions(zero3_optimizer: Any) -> None:
+    """Zero ZeRO-3's flat buffer of gradient partitions. DeepSpeed writes a parameter's gradient partition into it when
+    the parameter's gradient arrives and never clears it, so a parameter that a later step does not use would get its
+    old gradient applied again (measured: 0.1 per SGD step); cleared after every optimizer step, an unused parameter
+    gets gradient 0, as on one device."""
+    buffer = getattr(zero3_optimizer, "grad_partitions_flat_buffer", None)
+    if buffer is not None:
+        buffer.zero_()
 
 
 def has_restore_from_bit16(optimizer: Any) -> bool:

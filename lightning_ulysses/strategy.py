@@ -344,6 +344,16 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
             scaled, optimizer, *args, **kwargs), self.zero_stage_3, where=f"training step at global step {step}")
         return closure_loss
 
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's DeepSpeed optimizer step; at ZeRO-3 the gradient partitions are then cleared, so that a
+        parameter the next window does not use is not moved by this step's gradient again
+        (:func:`~lightning_ulysses._compat.clear_zero3_gradient_partitions`)."""
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.zero_stage_3:
+            _compat.clear_zero3_gradient_partitions(self.deepspeed_engine.optimizer)
+        return result
+
     @property
     @override
     def handles_gradient_accumulation(self) -> bool:

@@ -176,6 +176,22 @@ def test_deepspeed_restore_from_bit16_weights_hook():
     assert not _compat.has_restore_from_bit16(DeepSpeedZeRoOffload)
 
 
+def test_deepspeed_zero3_gradient_partitions_buffer():
+    """ZeRO-3 keeps every parameter's gradient partition in one flat buffer that it overwrites only for parameters
+    whose gradient arrives (what :func:`_compat.clear_zero3_gradient_partitions` clears after each step)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    source = inspect.getsource(DeepSpeedZeroOptimizer_Stage3)
+    assert "self.grad_partitions_flat_buffer: Tensor = torch.zeros(" in source
+    assert "grad_buffer.copy_(grad_partition" in source  # partition_grads (wrapped by an NVTX decorator)
+
+    class Optimizer:
+        grad_partitions_flat_buffer = torch.ones(3)
+
+    _compat.clear_zero3_gradient_partitions(Optimizer)
+    assert Optimizer.grad_partitions_flat_buffer.tolist() == [0.0, 0.0, 0.0]
+
+
 def test_deepspeed_zero3_parameter_attributes():
     """ZeRO-3's parameter attributes the package reads or sets: the status enum, ``ds_numel``, and the gradient
     hook's ``ds_grad_is_ready`` flag (read by both ZeRO optimizers before reducing a gradient)."""
@@ -314,7 +330,7 @@ def test_every_private_touch_point_lives_in_compat():
     private = ("_should_accumulate", "batch_progress", "_data_source", "_get_ckpt_name", "_link_all_hp_params",
                "_restore_from_bit16_weights", "_set_fp32_optimizer_param_groups", "_clear_fp32_optimizer_param_groups",
                "torch.ops.aten._", "remove_module_hooks(", "ds_grad_is_ready", "._device_mesh", "'_trainer'",
-               "._attn_implementation", "_hf_deepspeed_config_weak_ref", "._from_config(", "._forward_pre_hooks",
+               "._attn_implementation", "grad_partitions_flat_buffer", "_hf_deepspeed_config_weak_ref", "._from_config(", "._forward_pre_hooks",
                "._forward_hooks")
     root = Path(lightning_ulysses.__file__).parent
     found = {}

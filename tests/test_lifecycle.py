@@ -73,6 +73,15 @@ def test_a_change_in_deepspeeds_gradient_averaging_stops_the_run_at_set_up(stage
         assert rank["patches_left"] == []
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_parameter_a_step_does_not_use_stays_put(stage):
+    """A parameter used in step 1 only moves in step 1 (SGD, lr 0.5, gradient 1 per entry) and not in steps 2 and 3,
+    as on one device. Without the clearing of ZeRO-3's gradient partitions it moved 0.5 in every step at ZeRO 3."""
+    for rank in launch(2, "lifecycle:unused_parameter", {"stage": stage}):
+        assert rank["moves"][0] == pytest.approx(0.5, rel=1e-6)
+        assert rank["moves"][1:] == [0.0, 0.0]
+
+
 def test_second_trainer_trains_in_the_same_process(lifecycle):
     for rank in lifecycle:
         assert len(rank["second_fit_losses"]) == 2

@@ -27,8 +27,9 @@ Here, inside a step, a prepared model's call is completed before its forward run
 Every rank runs the vision tower once per modality in a step in which any rank of the world has that modality (one
 all-reduce of two flags per call; a rank without an item of its own encodes a minimal dummy item whose output enters
 the loss times 0), so that ZeRO's gradient reductions and ZeRO-3's parameter gathers are the same on every rank, also
-when data-parallel replicas hold different batches. At ZeRO-3 a text-only step runs the dummy too: DeepSpeed's ZeRO-3
-applies a parameter's previous gradient again in a step that does not use it.
+when data-parallel replicas hold different batches. (A text-only step leaves the tower out; at ZeRO-3 the strategy
+clears DeepSpeed's gradient partitions after every optimizer step, so the tower then gets gradient 0, as on one
+device.)
 
 Families are listed in :data:`SUPPORTED_FAMILIES`; a batch with images or videos for any other vision-language model
 is refused before its forward with that list.
@@ -109,8 +110,6 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
     present = [named.get(pixels) is not None for _, pixels, _, _ in _MODALITIES]
     running = _agree_on_modalities(present, context)
     if not any(running):
-        if context.zero_stage_3:
-            _keep_vision_in_step(model, named)
         return
     model_type = getattr(model.config, "model_type", None)
     if model_type not in SUPPORTED_FAMILIES:
@@ -144,22 +143,6 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
         encoded[modality] = _as_encoder_output(rows_here)  # [0, H] where this rank's shard has no placeholder
     if encoded:
         named["mm_encoder_outputs"] = encoded
-
-
-def _keep_vision_in_step(model: nn.Module, named: dict[str, Any]) -> None:
-    """A text-only call at ZeRO-3 still runs the vision tower on a dummy item, whose output enters the input
-    embeddings times 0: DeepSpeed's ZeRO-3 applies a parameter's previous gradient again in a step that does not use
-    it (measured: LLaVA's weights drift after a text-only step). The call then takes ``inputs_embeds`` (the same
-    values) instead of ``input_ids``."""
-    model_type = getattr(model.config, "model_type", None)
-    ids = named.get("input_ids")
-    if model_type not in SUPPORTED_FAMILIES or not isinstance(ids, torch.Tensor):
-        return
-    inner = _base_model(model)
-    family = SUPPORTED_FAMILIES[model_type]
-    dummy = _encode(inner, family, "image", *_dummy_item(inner, family))
-    named["inputs_embeds"] = model.get_input_embeddings()(ids) + 0 * dummy.sum()  # [B, s, H]
-    named["input_ids"] = None
 
 
 def _agree_on_modalities(present: list[bool], context: StepContext) -> list[bool]:

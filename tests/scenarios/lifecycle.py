@@ -135,3 +135,43 @@ def probe_mutation(payload: dict) -> dict:
     finally:
         setattr(Optimizer, name, original)
     return {"error": error, "steps": len(recorder.losses), "patches_left": active_patches()}
+
+
+class BranchLM(CausalLM):
+    """A term from a parameter used in the first step only (a branch a later step does not take)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.extra = torch.nn.Linear(4, 1, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == 0:
+            loss = loss + self.extra(torch.ones(1, 4, device=self.device)).sum()
+        return loss
+
+
+class ExtraWeight(Callback):
+    def __init__(self) -> None:
+        self.values: list[list[float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import deepspeed
+
+        weight = pl_module.extra.weight
+        with deepspeed.zero.GatheredParameters([weight], enabled=trainer.strategy.zero_stage_3):
+            self.values.append(weight.detach().flatten().tolist())
+
+
+def unused_parameter(payload: dict) -> dict:
+    """ZeRO-3: a parameter used in step 1 only must stay put in steps 2 and 3 (DeepSpeed keeps its gradient partition
+    and would apply it again; the strategy clears the partitions after every optimizer step)."""
+    seed_everything(SEED, verbose=False)
+    module = BranchLM(tiny_llama_config(num_kv_heads=2), lr=0.5, dataset=TokenDataset(4, 16), batch_size=1)
+    before = module.extra.weight.detach().flatten().tolist()
+    recorder = ExtraWeight()
+    trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=payload["stage"]), max_steps=3,
+                           callbacks=[recorder])
+    trainer.fit(module)
+    values = [before] + recorder.values
+    return {"moves": [max(abs(a - b) for a, b in zip(old, new)) for old, new in zip(values, values[1:])]}
