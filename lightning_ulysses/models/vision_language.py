@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.parallel.exchange import all_to_all
 from lightning_ulysses.parallel.geometry import SequenceGeometry
@@ -85,8 +86,6 @@ def keep_vision_attention(model: nn.Module, implementation: str) -> None:
     """The vision tower attends over its own patches, never over sequence shards: its config keeps the attention
     implementation ``implementation`` when the model's config was pointed at the strategy's functions (transformers
     passes the top config's implementation down to every sub-config)."""
-    from lightning_ulysses import _compat
-
     vision = getattr(model.config, "vision_config", None)
     if vision is not None:
         _compat.set_attention_implementation(vision, implementation)

@@ -122,7 +122,7 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def batches(seq_multiple: int = 2) -> list[dict[str, torch.Tensor]]:
+def batches() -> list[dict[str, torch.Tensor]]:
     """The four batches of the parity runs: (a) one image whose placeholders straddle the middle of the row (the
     boundary of sp=2), (b) two images of different sizes, (c) a video after an image, (d) two rows, one text-only,
     right-padded."""
