@@ -37,7 +37,6 @@ is refused before its forward with that list.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -46,35 +45,14 @@ from torch import nn
 
 from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
+from lightning_ulysses.models import vision_families
+from lightning_ulysses.models.vision_families import Modality, VisionFamily
 from lightning_ulysses.parallel.exchange import all_to_all
 from lightning_ulysses.parallel.geometry import SequenceGeometry
 from lightning_ulysses.training.step_context import StepContext
 
-
-@dataclass(frozen=True)
-class Family:
-    """How a vision-language family lays out its vision work and positions.
-
-    Attributes:
-        rope_index_keys: the keyword arguments of its ``get_rope_index`` beyond the grids and the mask, or ``None``
-            when its positions are the plain 1-D ones (no multimodal RoPE).
-        layout: ``"grid"``: the pixels of all items are concatenated patch rows with a ``[items, 3]`` grid
-            (temporal, height, width), and each temporal patch is an independent unit of the tower; ``"batch"``: the
-            pixels are ``[images, C, H, W]``, one unit per image, each giving the same number of feature rows.
-    """
-
-    rope_index_keys: Optional[tuple[str, ...]]
-    layout: str
-
-
-SUPPORTED_FAMILIES: dict[str, Family] = {
-    "qwen2_vl": Family((), "grid"),
-    "qwen2_5_vl": Family(("second_per_grid_ts",), "grid"),
-    "llava": Family(None, "batch"),
-}
-# modality, pixels key, grid key, placeholder token id in the config
-_MODALITIES = (("image", "pixel_values", "image_grid_thw", "image_token_id"),
-               ("video", "pixel_values_videos", "video_grid_thw", "video_token_id"))
+# The families this path places: one module each in `vision_families` (model_type -> family).
+SUPPORTED_FAMILIES = vision_families.SUPPORTED_FAMILIES
 
 
 def is_vision_language_model(model: nn.Module) -> bool:
@@ -106,12 +84,14 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
     shard's multimodal positions ``[4, B, s]``; ``pixel_values`` / ``pixel_values_videos`` become the shard's rows of
     the encoded features (``mm_encoder_outputs``). Called for every call of a prepared vision-language model in a step
     (also text-only ones, which take part in the agreement on which modalities run)."""
-    present = [named.get(pixels) is not None for _, pixels, _, _ in _MODALITIES]
+    model_type = getattr(model.config, "model_type", None)
+    family = vision_families.family_of(model_type)
+    modalities = family.modalities if family is not None else (vision_families.IMAGE, vision_families.VIDEO)
+    present = [named.get(modality.pixels_key) is not None for modality in modalities]
     running = _agree_on_modalities(present, context)
     if not any(running):
         return
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in SUPPORTED_FAMILIES:
+    if family is None:
         raise ValueError(unsupported_family_error(model))
     inner = _base_model(model)
     rows = int(named["position_ids"].shape[0])
@@ -129,17 +109,20 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
                 " parallelism yet. Give one sample per row (right-padded); text-only batches may be packed."
             )
         positions_given = "position_ids" in shard.multimodal  # given positions are kept, as on one device
-        if SUPPORTED_FAMILIES[model_type].rope_index_keys is not None and not positions_given:
+        if family.rope_index_keys is not None and not positions_given:
             text_positions = named["position_ids"]  # [B, s] global 1-D positions of the shard
             named["position_ids"] = torch.cat([text_positions[None], _shard_rope_positions(
-                inner, named, shard, model_type, rows, text_positions.device)])  # [4, B, s]
+                inner, family, named, shard, rows, text_positions.device)])  # [4, B, s]
     encoded = dict(named.get("mm_encoder_outputs") or {})
-    for (modality, pixels_key, grid_key, token_key), runs in zip(_MODALITIES, running):
+    for modality, runs in zip(modalities, running):
         if not runs:
             continue
-        rows_here = _exchanged_features(inner, SUPPORTED_FAMILIES[model_type], modality, named.pop(pixels_key, None),
-                                        named.get(grid_key), getattr(model.config, token_key), shard, rows, context)
-        encoded[modality] = _as_encoder_output(rows_here)  # [0, H] where this rank's shard has no placeholder
+        mine = named if named.get(modality.pixels_key) is not None else None
+        tensors = _exchanged_features(inner, family, modality, mine, getattr(model.config, modality.token_attr),
+                                      shard, rows, context)
+        for key in family.consumed_keys(modality):
+            named.pop(key, None)
+        encoded[modality.name] = family.encoder_output(tensors)  # [0, H] where this shard has no placeholder
     if encoded:
         named["mm_encoder_outputs"] = encoded
 
@@ -163,7 +146,7 @@ def _base_model(model: nn.Module) -> nn.Module:
     return inner
 
 
-def _shard_rope_positions(inner: nn.Module, named: dict[str, Any], shard: ShardInfo, model_type: str, rows: int,
+def _shard_rope_positions(inner: nn.Module, family: VisionFamily, named: dict[str, Any], shard: ShardInfo, rows: int,
                           device: torch.device) -> torch.Tensor:
     """``[3, rows, s]``: the model's multimodal positions of the whole batch, this shard's columns."""
     multimodal = shard.multimodal
@@ -171,7 +154,7 @@ def _shard_rope_positions(inner: nn.Module, named: dict[str, Any], shard: ShardI
     token_types = multimodal.get("mm_token_type_ids")
     if token_types is None:
         token_types = _token_types(inner.config, ids)
-    keys = SUPPORTED_FAMILIES[model_type].rope_index_keys or ()
+    keys = family.rope_index_keys or ()
     extra = {key: named.get(key) for key in keys if named.get(key) is not None}
     with torch.no_grad():
         whole, _ = inner.get_rope_index(ids.to(device), token_types.to(device),
@@ -209,81 +192,72 @@ def _owners(sizes: list[int], sp: int) -> list[int]:
     return owners
 
 
-def _units(grid: torch.Tensor) -> list[tuple[int, int, int]]:
-    """The batch's items cut into the vision tower's independent units: one per temporal patch of each image or video
-    (``(item, height, width)`` in patches; the tower attends within a temporal patch of an item only), in order."""
-    return [(k, int(h), int(w)) for k, (t, h, w) in enumerate(grid.tolist()) for _ in range(int(t))]
-
-
-def _exchanged_features(inner: nn.Module, family: Family, modality: str, pixels: Optional[torch.Tensor],
-                        grid: Optional[torch.Tensor], token_id: int, shard: Optional[ShardInfo], rows: int,
-                        context: StepContext) -> torch.Tensor:
-    """``[n, H]``: the feature rows of the placeholders of this rank's shard, in its token order, encoded by the ranks
-    that own their units and exchanged by one all-to-all (see the module docstring)."""
+def _exchanged_features(inner: nn.Module, family: VisionFamily, modality: Modality, named: Optional[dict[str, Any]],
+                        token_id: int, shard: Optional[ShardInfo], rows: int,
+                        context: StepContext) -> list[torch.Tensor]:
+    """``[n, H_k]`` per feature tensor of the family: the feature rows of the placeholders of this rank's shard, in
+    its token order, encoded by the ranks that own their units and exchanged by one all-to-all (see the module
+    docstring). ``named`` is ``None`` on a rank whose batch has no item of this modality (another data-parallel
+    replica's has)."""
     group = context.sp_group
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     sp, me = (dist.get_world_size(group), dist.get_rank(group)) if distributed else (1, 0)
-    if pixels is None or (family.layout == "grid" and grid is None):  # another replica has this modality:
-        dummy = _encode(inner, family, modality, *_dummy_item(inner, family))  # encode a dummy to keep ZeRO in step
-        return dummy[:0] + 0 * dummy.sum()  # [0, H], connected to the graph with gradient 0
-    sizes, tokens = _unit_sizes(inner, family, pixels, grid, shard, token_id)
-    owners = _owners(sizes, sp)
+    if named is None:  # another replica has this modality: encode a dummy to keep ZeRO's collectives in step
+        return _detached_rows(family.encode_inputs(inner, modality, family.dummy_inputs(inner, modality)).tensors)
+    units = family.units(inner, modality, named, shard)
+    owners = _owners(units.sizes, sp)
     mine = [u for u, owner in enumerate(owners) if owner == me]  # contiguous
     if mine:
         first, last = mine[0], mine[-1] + 1
-        token_start = sum(tokens[:first])
-        local = _encode(inner, family, modality, *_unit_slice(family, pixels, grid, sizes, first, last))  # [t, H]
+        encoded = family.encode_inputs(inner, modality, family.slice_inputs(inner, modality, named, first, last))
+        local = encoded.tensors
     else:
-        dummy = _encode(inner, family, modality, *_dummy_item(inner, family))
-        local, token_start = dummy[:0] + 0 * dummy.sum(), 0  # [0, H]
+        first = last = 0
+        encoded = family.encode_inputs(inner, modality, family.dummy_inputs(inner, modality))
+        local = _detached_rows(encoded.tensors)
+    widths = [int(t.shape[-1]) for t in local]
+    local_rows = torch.cat(local, dim=-1) if len(local) > 1 else local[0]  # [t, sum H_k]
+    tokens = units.rows if units.rows is not None else _row_counts(
+        encoded.rows_per_unit if mine else [], len(units.sizes), first, local_rows.device, group if distributed else None)
+    token_start = sum(tokens[:first])
+    if mine and int(local_rows.shape[0]) != sum(tokens[first:last]):
+        raise ValueError(f"{type(inner).__name__}'s vision tower gave {int(local_rows.shape[0])} feature rows for"
+                         f" units {first}..{last - 1}, where the batch's layout gives {sum(tokens[first:last])}.")
     if sp == 1:
-        return local[_needed_rows(shard, token_id, rows, shard.global_index).to(local.device) - token_start]
+        needed = _needed_rows(shard, token_id, rows, shard.global_index).to(local_rows.device) - token_start
+        return list(local_rows[needed].split(widths, dim=-1))
     owner_of_row = torch.tensor([owner for owner, count in zip(owners, tokens) for _ in range(count)],
                                 dtype=torch.long)  # [N] the rank that encodes each feature row
     geometry = SequenceGeometry(sp, context.ring_size)
     needed = [_needed_rows(shard, token_id, rows, geometry.shard_index(shard.padded_len, rank)) for rank in range(sp)]
     send = [rows_of[owner_of_row[rows_of] == me] for rows_of in needed]  # per destination, in its token order
     sources = owner_of_row[needed[me]]  # [n] who sends each of my rows
-    received = all_to_all(local[torch.cat(send).to(local.device) - token_start],  # [sum(send), H]
+    received = all_to_all(local_rows[torch.cat(send).to(local_rows.device) - token_start],  # [sum(send), sum H_k]
                           [len(rows_of) for rows_of in send], [int((sources == s).sum()) for s in range(sp)], group)
     # received is grouped by source rank, each group in my token order: put it back in my token order
     order = torch.cat([(sources == s).nonzero(as_tuple=True)[0] for s in range(sp)])  # [n] my position of each row
-    return received[torch.argsort(order).to(received.device)]  # [n, H] in my token order
+    return list(received[torch.argsort(order).to(received.device)].split(widths, dim=-1))  # [n, H_k] in token order
 
 
-def _unit_sizes(inner: nn.Module, family: Family, pixels: torch.Tensor, grid: Optional[torch.Tensor],
-                shard: ShardInfo, token_id: int) -> tuple[list[int], list[int]]:
-    """Per unit of the vision tower: its size (patches, for balancing) and the feature rows it gives."""
-    if family.layout == "grid":
-        merge = inner.config.vision_config.spatial_merge_size
-        sizes = [h * w for _, h, w in _units(grid)]
-        return sizes, [size // merge ** 2 for size in sizes]
-    images = int(pixels.shape[0])
-    placeholders = int((shard.multimodal["input_ids"] == token_id).sum())
-    if images == 0 or placeholders % images:
-        raise ValueError(f"The batch has {placeholders} image placeholder tokens for {images} images; this family"
-                         " gives every image the same number of feature rows.")
-    return [1] * images, [placeholders // images] * images
+def _detached_rows(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``[0, H_k]`` each, connected to the graph with gradient 0 (a dummy item's output)."""
+    zero = sum(t.sum() for t in tensors) * 0
+    return [t[:0] + zero for t in tensors]
 
 
-def _unit_slice(family: Family, pixels: torch.Tensor, grid: Optional[torch.Tensor], sizes: list[int], first: int,
-                last: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The pixels (and grid) of units ``first`` to ``last - 1``."""
-    if family.layout == "batch":
-        return pixels[first:last], None
-    start = sum(sizes[:first])
-    return pixels[start:start + sum(sizes[first:last])], _sub_grid(_units(grid)[first:last], grid)
-
-
-def _sub_grid(units: list[tuple[int, int, int]], grid: torch.Tensor) -> torch.Tensor:
-    """``[items, 3]``: the grid of a contiguous run of units (whole or partial items: their temporal patches)."""
-    pieces: list[list[int]] = []
-    for item, h, w in units:
-        if pieces and pieces[-1][3] == item:
-            pieces[-1][0] += 1
-        else:
-            pieces.append([1, h, w, item])
-    return torch.tensor([piece[:3] for piece in pieces], dtype=grid.dtype, device=grid.device)
+def _row_counts(rows_per_unit: Optional[list[int]], units: int, first: int, device: torch.device,
+                group: Any) -> list[int]:
+    """The feature rows of every unit of a family whose rows only encoding tells: each rank writes its own units'
+    counts and the SP group sums them (one all-reduce of ``units`` integers)."""
+    if rows_per_unit is None:
+        raise ValueError("A vision family without a fixed number of feature rows per unit must report the rows its"
+                         " encoding gave per unit (Encoded.rows_per_unit).")
+    counts = torch.zeros(units, dtype=torch.long)
+    counts[first:first + len(rows_per_unit)] = torch.tensor(rows_per_unit, dtype=torch.long)
+    if group is not None:
+        counts = counts.to(device) if device.type == "cuda" else counts
+        dist.all_reduce(counts, group=group)  # [units]: every rank wrote its own units' counts
+    return counts.cpu().tolist()
 
 
 def _needed_rows(shard: ShardInfo, token_id: int, rows: int, index: torch.Tensor) -> torch.Tensor:
@@ -297,33 +271,3 @@ def _needed_rows(shard: ShardInfo, token_id: int, rows: int, index: torch.Tensor
     held = torch.zeros((ids.shape[0], index.shape[0]), dtype=torch.bool)  # [B, s]
     held[:, real] = placeholder[:, index[real]]
     return number[:, index.clamp(max=S - 1)][held[:rows].nonzero(as_tuple=True)]
-
-
-def _dummy_item(inner: nn.Module, family: Family) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The smallest item the vision tower takes, zeros: one temporal patch of ``merge × merge`` patches (grid
-    layout) or one image of the tower's size (batch layout)."""
-    vision = inner.config.vision_config
-    device = next(inner.parameters()).device
-    if family.layout == "batch":
-        return torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size, device=device), None
-    merge = vision.spatial_merge_size
-    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-    return (torch.zeros(merge * merge, width, device=device),
-            torch.tensor([[1, merge, merge]], device=device))
-
-
-def _encode(inner: nn.Module, family: Family, modality: str, pixels: torch.Tensor,
-            grid: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[N, H]``: the feature rows of the items in ``pixels`` (with their ``grid``), in item order."""
-    if family.layout == "batch":
-        output = inner.get_image_features(pixel_values=pixels, return_dict=True)
-    else:
-        method = inner.get_image_features if modality == "image" else inner.get_video_features
-        output = method(pixels, grid, return_dict=True)
-    return torch.cat(list(output.pooler_output), dim=0)
-
-
-def _as_encoder_output(rows: torch.Tensor) -> Any:
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    return BaseModelOutputWithPooling(pooler_output=(rows,))

@@ -1,0 +1,23 @@
+"""One module per vision-language family, each a :class:`~lightning_ulysses.models.vision_families.base.VisionFamily`:
+how its vision items cut into units of the vision tower, how a run of units is encoded, where its positions come
+from. A new family is one new module here and one entry in :data:`FAMILIES`; the placement of feature rows on the
+shards and their exchange are shared (:mod:`lightning_ulysses.models.vision_language`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lightning_ulysses.models.vision_families.base import IMAGE, VIDEO, Encoded, Modality, Units, VisionFamily
+from lightning_ulysses.models.vision_families.llava import LlavaFamily
+from lightning_ulysses.models.vision_families.qwen import Qwen25VLFamily, QwenGridFamily
+
+FAMILIES: list[VisionFamily] = [QwenGridFamily(), Qwen25VLFamily(), LlavaFamily()]
+SUPPORTED_FAMILIES: dict[str, VisionFamily] = {name: family for family in FAMILIES for name in family.model_types}
+
+
+def family_of(model_type: Optional[str]) -> Optional[VisionFamily]:
+    return SUPPORTED_FAMILIES.get(model_type)
+
+
+__all__ = ["Encoded", "FAMILIES", "IMAGE", "Modality", "SUPPORTED_FAMILIES", "Units", "VIDEO", "VisionFamily", "family_of"]
