@@ -23,7 +23,8 @@ class VisionSpy(Callback):
 
     def setup(self, trainer, pl_module, stage) -> None:
         inner = pl_module.model.model
-        visual = inner.visual if hasattr(inner, "visual") else inner.vision_tower
+        visual = next(getattr(inner, name) for name in ("visual", "vision_tower", "vision_model")
+                      if hasattr(inner, name))
         self._undo.append(visual.register_forward_pre_hook(self._encoded, with_kwargs=True))
         original_all_to_all, original_agree = vision_language.all_to_all, vision_language._agree_on_modalities
 
@@ -60,9 +61,10 @@ def run(payload: dict) -> dict:
     results = {}
     for family, stage in payload["runs"]:
         seed_everything(SEED, verbose=False)
-        module = VisionLanguageLM(family, select=payload.get("select"))
+        module = VisionLanguageLM(family, select=payload.get("select"), support=payload.get("support"))
         recorder, spy = Recorder(), VisionSpy()
-        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=payload["sp_size"], stage=stage), max_steps=4,
+        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=payload["sp_size"], stage=stage),
+                               max_steps=payload.get("steps", 4),
                                callbacks=[recorder, spy])
         trainer.fit(module)
         results[f"{family}-zero{stage}"] = {

@@ -174,12 +174,23 @@ def _first(items: list[Any]) -> Any:
     return items[0]
 
 
+def family_support(support: Optional[str] = None) -> Any:
+    """The test-support module that builds a family's tiny model and its batches (``build_model(family)``,
+    ``selected_batches(select, family)``): this one by default, or e.g. ``"tests.support.vision_qwen3"``."""
+    import importlib
+    import sys
+
+    return importlib.import_module(support) if support else sys.modules[__name__]
+
+
 class VisionLanguageLM(LightningModule):
     """``self.model(**batch).loss``, as a user writes it; SGD; the batches in the order of Lightning's sampler."""
 
-    def __init__(self, family: str, lr: float = 0.5, select: Optional[list[int]] = None) -> None:
+    def __init__(self, family: str, lr: float = 0.5, select: Optional[list[int]] = None,
+                 support: Optional[str] = None) -> None:
         super().__init__()
-        self.model = build_model(family)
+        self.support = family_support(support)
+        self.model = self.support.build_model(family)
         self.lr = lr
         self.select = select
         self.family = family
@@ -193,18 +204,21 @@ class VisionLanguageLM(LightningModule):
         return torch.optim.SGD(self.model.parameters(), lr=self.lr)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(BatchList(selected_batches(self.select, self.family)), batch_size=1, collate_fn=_first)
+        return DataLoader(BatchList(self.support.selected_batches(self.select, self.family)), batch_size=1,
+                          collate_fn=_first)
 
 
-def train_single_device(family: str, lr: float = 0.5, select: Optional[list[int]] = None) -> dict[str, Any]:
+def train_single_device(family: str, lr: float = 0.5, select: Optional[list[int]] = None,
+                        support: Optional[str] = None) -> dict[str, Any]:
     """The reference: plain transformers on one process, the same batches in Lightning's order, SGD."""
     from tests.support.models import lightning_order
 
-    model = build_model(family)
+    helpers = family_support(support)
+    model = helpers.build_model(family)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    chosen = selected_batches(select, family)
+    chosen = helpers.selected_batches(select, family)
     for batch in [chosen[i] for i in lightning_order(len(chosen), SEED)]:
         optimizer.zero_grad()
         loss = model(**batch).loss
