@@ -218,7 +218,8 @@ def _exchanged_features(inner: nn.Module, family: VisionFamily, modality: Modali
     widths = [int(t.shape[-1]) for t in local]
     local_rows = torch.cat(local, dim=-1) if len(local) > 1 else local[0]  # [t, sum H_k]
     tokens = units.rows if units.rows is not None else _row_counts(
-        encoded.rows_per_unit if mine else [], len(units.sizes), first, local_rows.device, group if distributed else None)
+        encoded.rows_per_unit if mine else [], len(units.sizes), first, local_rows.device,
+        group if distributed else None)
     token_start = sum(tokens[:first])
     if mine and int(local_rows.shape[0]) != sum(tokens[first:last]):
         raise ValueError(f"{type(inner).__name__}'s vision tower gave {int(local_rows.shape[0])} feature rows for"

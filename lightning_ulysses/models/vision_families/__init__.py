@@ -20,4 +20,5 @@ def family_of(model_type: Optional[str]) -> Optional[VisionFamily]:
     return SUPPORTED_FAMILIES.get(model_type)
 
 
-__all__ = ["Encoded", "FAMILIES", "IMAGE", "Modality", "SUPPORTED_FAMILIES", "Units", "VIDEO", "VisionFamily", "family_of"]
+__all__ = ["Encoded", "FAMILIES", "IMAGE", "Modality", "SUPPORTED_FAMILIES", "Units", "VIDEO", "VisionFamily",
+           "family_of"]
