@@ -342,3 +342,19 @@ def test_every_private_touch_point_lives_in_compat():
         if hits:
             found[str(path.relative_to(root))] = hits
     assert not found, f"private-API touch points outside _compat: {found}"
+
+
+def test_the_decoders_that_pack_only_from_four_row_positions_are_those_the_table_names():
+    """:data:`PACKING_FROM_FOUR_ROWS` is re-derived from the installed transformers: the modeling modules whose
+    decoder takes text positions from ``[4, B, S]`` positions only (``position_ids.shape[0] == 4``)."""
+    from pathlib import Path
+
+    import transformers
+
+    from lightning_ulysses.models.multimodal_positions import PACKING_FROM_FOUR_ROWS
+
+    models = Path(transformers.__file__).parent / "models"
+    found = {path.parent.name for path in models.glob("*/modeling_*.py")
+             if "position_ids.shape[0] == 4" in path.read_text()}
+    assert found == PACKING_FROM_FOUR_ROWS, (sorted(found - PACKING_FROM_FOUR_ROWS),
+                                            sorted(PACKING_FROM_FOUR_ROWS - found))

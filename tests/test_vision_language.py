@@ -12,11 +12,15 @@ from tests.test_parity import rel_diff, update_rel_diff
 
 RUNS = [("qwen2_vl", 2), ("qwen2_5_vl", 2), ("qwen2_vl", 3), ("qwen2_5_vl", 3), ("llava", 2), ("llava", 3)]
 RUNS_SP4 = [("qwen2_5_vl", 2)]
+PACKED = [4, 5]  # the packed-row batches (e) and (f)
+RUNS_PACKED = [("qwen2_vl", 2), ("llava", 3)]
 
 
 @pytest.fixture(scope="module")
 def trained():
-    return launch(2, "vision_language:run", {"runs": RUNS, "sp_size": 2})
+    return launch(2, "vision_language:run",
+                  {"runs": RUNS + [(family, stage, PACKED) for family, stage in RUNS_PACKED], "sp_size": 2,
+                   "strategy": {"sdpa_per_document": True}})  # packed rows on sdpa: one exact call per sample
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +51,22 @@ def test_vision_language_training_matches_single_device(request, references, sp,
     assert update_rel_diff(weights, reference["weights"], initial) <= 1e-4
     vision = {k: v for k, v in weights.items() if k.startswith(prefix)}
     assert update_rel_diff(vision, {k: reference["weights"][k] for k in vision}, initial) <= 1e-4
+
+
+@pytest.mark.parametrize("family, stage", RUNS_PACKED, ids=[f"{f}-zero{s}" for f, s in RUNS_PACKED])
+def test_packed_rows_with_images_train_as_on_one_device(trained, family, stage):
+    """Rows packing image, video and text-only samples: Qwen2-VL with the ``[4, 1, S]`` positions a user gives one
+    device (text positions restarting per sample, each sample's M-RoPE rows), LLaVA with restarting ``[1, S]``
+    positions. Packing's promise is that no sample attends to another (flash-attention's varlen path on one device;
+    plain transformers on ``sdpa`` lets them mix), so the reference runs the same samples as separate rows."""
+    reference = train_single_device(family, select=PACKED)
+    key = f"{family}-zero{stage}-45"
+    for rank in trained:
+        assert rel_diff(rank[key]["losses"], reference["losses"]) <= 1e-5, (rank[key]["losses"], reference["losses"])
+    from tests.support.vision import build_model
+
+    initial = dict(build_model(family).named_parameters())
+    assert update_rel_diff(trained[0][key]["weights"], reference["weights"], initial) <= 1e-4
 
 
 def test_every_batch_is_cut_in_two(trained):
@@ -96,29 +116,61 @@ def _prepared_call(family: str, batch: dict, sp: int = 1):
 
 
 def test_images_for_an_unsupported_family_are_refused_with_the_supported_list():
+    import re
     from types import SimpleNamespace
 
     from lightning_ulysses.models import vision_language
     from tests.support.vision import batches
 
     named, info, context = _prepared_call("qwen2_vl", batches()[0])
-    model = SimpleNamespace(config=SimpleNamespace(model_type="gemma3", vision_config=object()))
-    with pytest.raises(ValueError, match=r"gemma3.*\['llava', 'qwen2_5_vl', 'qwen2_vl'\]"):
+    model = SimpleNamespace(config=SimpleNamespace(model_type="fuyu", vision_config=object()))
+    supported = sorted(vision_language.SUPPORTED_FAMILIES)
+    assert {"llava", "qwen2_5_vl", "qwen2_vl"} <= set(supported) and "fuyu" not in supported
+    with pytest.raises(ValueError, match=re.escape(f"('fuyu')") + ".*" + re.escape(str(supported))):
         vision_language.complete_call(model, named, info, context)
 
 
-def test_images_on_packed_rows_are_refused():
+def test_flat_packed_positions_on_an_m_rope_decoder_are_refused_with_the_four_row_fix():
+    """Restarting ``[B, S]`` positions on a Qwen-VL decoder: one device would let the packed samples attend to each
+    other (its packed mask is built from ``[4, B, S]`` positions only), so they are refused, also text-only; LLaVA
+    (a Llama decoder packs from ``[B, S]``) and ``[4, B, S]`` positions pass."""
     import torch
 
-    from lightning_ulysses.models import vision_language
-    from tests.support.vision import batches, build_model
+    from lightning_ulysses.models.multimodal_positions import refuse_flat_packed_positions
+    from tests.support.vision import batches, build_model, packed_batches
 
-    batch = dict(batches()[0])
-    length = batch["input_ids"].shape[1]
-    batch["position_ids"] = torch.cat([torch.arange(10), torch.arange(length - 10)])[None]  # two packed samples
-    named, info, context = _prepared_call("qwen2_vl", batch)
-    with pytest.raises(ValueError, match="pack several samples"):
-        vision_language.complete_call(build_model("qwen2_vl"), named, info, context)
+    for batch in (dict(batches()[0]), {"input_ids": batches()[3]["input_ids"][1:]}):
+        length = batch["input_ids"].shape[1]
+        batch["position_ids"] = torch.cat([torch.arange(10), torch.arange(length - 10)])[None]  # two samples
+        _, info, _ = _prepared_call("qwen2_vl", batch)
+        with pytest.raises(ValueError, match=r"pack several samples.*\[4, B, S\]"):
+            refuse_flat_packed_positions(build_model("qwen2_vl"), info)
+        refuse_flat_packed_positions(build_model("llava"), info)
+    _, info, _ = _prepared_call("qwen2_vl", packed_batches("qwen2_vl")[0])
+    assert info.packed
+    refuse_flat_packed_positions(build_model("qwen2_vl"), info)
+
+
+def test_four_row_positions_are_cut_with_the_tokens():
+    """The collate step keeps the batch's ``[4, B, S]`` positions whole for the model and cuts their text row like
+    any ``[B, S]`` tensor; the model's call gets its shard's columns of all four rows."""
+    import torch
+
+    from lightning_ulysses.data.sharding import shard_batch
+    from lightning_ulysses.models.multimodal_positions import multimodal_call_positions
+    from tests.support.vision import packed_batches
+
+    batch = packed_batches("qwen2_vl")[0]
+    whole = batch["position_ids"]  # [4, 1, S]
+    S = whole.shape[2]
+    for rank in range(2):
+        shard = shard_batch(batch, 2, rank)
+        info = shard.pop("_ulysses")
+        columns = multimodal_call_positions(shard["position_ids"], info.multimodal["position_ids"], info, 1)
+        half = -(-S // 2)
+        real = min(half, S - rank * half)  # the rest of the shard is the padding to the SP multiple
+        assert torch.equal(columns[0], shard["position_ids"])  # [1, s] the text row, cut like the tokens
+        assert torch.equal(columns[:, :, :real], whole[:, :, rank * half:rank * half + real])
 
 
 def test_a_single_process_call_places_every_feature_row_as_the_model_does():

@@ -30,7 +30,8 @@ _CONTRACT_KEYS = (LABELS, SHIFT_LABELS, POSITION_IDS, ATTENTION_MASK)
 # Vision inputs of vision-language models: per image / video / patch, never per token, so never cut (a pixel tensor
 # whose first two dimensions happen to equal [B, S] must not be taken for a sequence).
 VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts",
-               "image_sizes", "pixel_attention_mask", "video_second_per_grid")
+               "image_sizes", "pixel_attention_mask", "video_second_per_grid", "image_sizes_videos",
+               "batch_num_images")
 # The full batch's token tensors a vision-language model's positions and image placement are computed from.
 _MULTIMODAL_TOKEN_KEYS = (INPUT_IDS, "mm_token_type_ids", ATTENTION_MASK, POSITION_IDS)
 
@@ -83,8 +84,12 @@ def shard_batch(
         _check_right_padding(attention_mask)
 
     multimodal = None
-    if any(out.get(key) is not None for key in VISION_KEYS):  # before position_ids are filled in: given ones only
+    rope_positions = _take_multimodal_positions(out)  # [3 or 4, B, S] given M-RoPE positions, else None
+    if rope_positions is not None or any(out.get(key) is not None for key in VISION_KEYS):
+        # before position_ids are filled in: given ones only
         multimodal = {key: out[key] for key in _MULTIMODAL_TOKEN_KEYS if isinstance(out.get(key), torch.Tensor)}
+        if rope_positions is not None:
+            multimodal[POSITION_IDS] = rope_positions
     if POSITION_IDS not in out:
         out[POSITION_IDS] = torch.arange(S, dtype=torch.long).expand(B, S)
     elif isinstance(out[POSITION_IDS], torch.Tensor) and tuple(out[POSITION_IDS].shape) == (1, S):
@@ -148,7 +153,8 @@ def check_batch_contract(batch: Any) -> None:
 
     * ``input_ids``: integer ``[B, S]`` (required);
     * ``labels``, ``shift_labels``: integer ``[B, S]``;
-    * ``position_ids``: integer ``[B, S]`` or ``[1, S]`` (one row for all);
+    * ``position_ids``: integer ``[B, S]`` or ``[1, S]`` (one row for all), or multimodal ``[4, B, S]`` / ``[3, B, S]``
+      (see :func:`shard_batch`);
     * ``attention_mask``: ``[B, S]`` (1 = token, 0 = right padding); 4-D masks are refused.
     """
     if not isinstance(batch, Mapping) or INPUT_IDS not in batch:
@@ -171,10 +177,12 @@ def check_batch_contract(batch: Any) -> None:
                                  f" `input_ids` (-100 where no loss is taken), got {_describe(value)}.")
     if POSITION_IDS in batch and batch[POSITION_IDS] is not None:
         value = batch[POSITION_IDS]
-        if not (isinstance(value, torch.Tensor) and tuple(value.shape) in ((B, S), (1, S))
+        if not (isinstance(value, torch.Tensor) and tuple(value.shape) in ((B, S), (1, S), (3, B, S), (4, B, S))
                 and value.dtype in _INTEGER_DTYPES):
             raise ValueError(f"The batch's `position_ids` must be an integer tensor of shape [B, S] = [{B}, {S}] or"
-                             f" [1, S] = [1, {S}] (one row for all), got {_describe(value)}.")
+                             f" [1, S] = [1, {S}] (one row for all), or a vision-language model's multimodal positions"
+                             f" [4, B, S] (text positions first, then M-RoPE's three) or [3, B, S], got"
+                             f" {_describe(value)}.")
     if ATTENTION_MASK in batch and batch[ATTENTION_MASK] is not None:
         value = batch[ATTENTION_MASK]
         if isinstance(value, torch.Tensor) and value.ndim == 4:
@@ -187,6 +195,20 @@ def check_batch_contract(batch: Any) -> None:
         if not (isinstance(value, torch.Tensor) and tuple(value.shape) == (B, S)):
             raise ValueError(f"The batch's `attention_mask` must be a [B, S] = [{B}, {S}] padding mask (1 = token,"
                              f" 0 = right padding), got {_describe(value)}.")
+
+
+def _take_multimodal_positions(out: dict[str, Any]) -> Optional[torch.Tensor]:
+    """A vision-language model's multimodal positions given by the batch (``[4, B, S]``: the text positions, which
+    restart per packed sample, then M-RoPE's temporal, height and width rows; or ``[3, B, S]`` without the text row),
+    taken out of ``out``; the text row (if any) stays as the batch's 1-D ``position_ids`` for cutting, packing and
+    labels, exactly what transformers' M-RoPE models read for their packed mask. ``None`` for 1-D positions."""
+    value = out.get(POSITION_IDS)
+    if not (isinstance(value, torch.Tensor) and value.ndim == 3):
+        return None
+    del out[POSITION_IDS]
+    if value.shape[0] == 4:
+        out[POSITION_IDS] = value[0]  # [B, S] text positions
+    return value
 
 
 def _describe(value: Any) -> str:

@@ -32,6 +32,8 @@ from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.data.halo import shift_labels_across_shards
 from lightning_ulysses.models import vision_language
+from lightning_ulysses.models.multimodal_positions import (given_multimodal_positions, multimodal_call_positions,
+                                                           refuse_flat_packed_positions)
 from lightning_ulysses.training.step_context import StepContext
 
 _HOOK_HANDLE = "_ulysses_call_hook"
@@ -203,6 +205,10 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
         _agree_on_call(problem, name, context, tokens.device)
     elif problem is not None:
         raise problem
+    refuse_flat_packed_positions(model, shard)  # an M-RoPE decoder packs only with [4, B, S] positions
+    if given_multimodal_positions(shard):  # the batch's [4, B, S] / [3, B, S] positions, as one device gets them
+        named["position_ids"] = multimodal_call_positions(named["position_ids"], shard.multimodal["position_ids"],
+                                                          shard, rows)  # [4, rows, s]
     if vision_language.is_vision_language_model(model):
         vision_language.complete_call(model, named, shard, context)  # M-RoPE positions, this shard's image rows
     counted = shard.global_index[None, :] < shard.seq_len  # [1, s]: not the padding to the SP multiple

@@ -46,6 +46,7 @@ from torch import nn
 from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.models import vision_families
+from lightning_ulysses.models.multimodal_positions import shard_columns
 from lightning_ulysses.models.vision_families import Modality, VisionFamily
 from lightning_ulysses.parallel.exchange import all_to_all
 from lightning_ulysses.parallel.geometry import SequenceGeometry
@@ -86,6 +87,8 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
     (also text-only ones, which take part in the agreement on which modalities run)."""
     model_type = getattr(model.config, "model_type", None)
     family = vision_families.family_of(model_type)
+    if family is not None:
+        family.complete_attention(model, named, shard, context)  # e.g. Gemma 3's image blocks
     modalities = family.modalities if family is not None else (vision_families.IMAGE, vision_families.VIDEO)
     present = [named.get(modality.pixels_key) is not None for modality in modalities]
     running = _agree_on_modalities(present, context)
@@ -102,12 +105,6 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
                 " strategy places image features on the shards from the batch the collate step cut. Pass the"
                 " batch's `pixel_values` / `image_grid_thw` (and video keys) in the batch itself."
             )
-        if shard.packed:
-            raise ValueError(
-                f"{type(model).__name__} was called with images or videos on rows that pack several samples (their"
-                " `position_ids` restart): multimodal positions per packed sample are not supported under sequence"
-                " parallelism yet. Give one sample per row (right-padded); text-only batches may be packed."
-            )
         positions_given = "position_ids" in shard.multimodal  # given positions are kept, as on one device
         if family.rope_index_keys is not None and not positions_given:
             text_positions = named["position_ids"]  # [B, s] global 1-D positions of the shard
@@ -119,10 +116,10 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
             continue
         mine = named if named.get(modality.pixels_key) is not None else None
         tensors = _exchanged_features(inner, family, modality, mine, getattr(model.config, modality.token_attr),
-                                      shard, rows, context)
+                                      shard, rows, context, family.call_options(named))
         for key in family.consumed_keys(modality):
             named.pop(key, None)
-        encoded[modality.name] = family.encoder_output(tensors)  # [0, H] where this shard has no placeholder
+        encoded[modality.name] = family.modality_output(modality, tensors)  # [0, H] where this shard has none
     if encoded:
         named["mm_encoder_outputs"] = encoded
 
@@ -161,11 +158,7 @@ def _shard_rope_positions(inner: nn.Module, family: VisionFamily, named: dict[st
                                         image_grid_thw=named.get("image_grid_thw"),
                                         video_grid_thw=named.get("video_grid_thw"),
                                         attention_mask=_mask_or_none(multimodal, device), **extra)  # [3, B, S]
-    S = ids.shape[1]
-    if shard.padded_len > S:  # the padding to the SP multiple continues counting after each row's last position
-        tail = whole[:, :, -1:] + torch.arange(1, shard.padded_len - S + 1, device=device)
-        whole = torch.cat([whole, tail], dim=2)  # [3, B, S_pad]
-    return whole[:, :rows, shard.global_index.to(device)]  # [3, rows, s]
+    return shard_columns(whole, shard, rows, device)  # [3, rows, s]
 
 
 def _mask_or_none(multimodal: dict[str, torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
@@ -193,27 +186,31 @@ def _owners(sizes: list[int], sp: int) -> list[int]:
 
 
 def _exchanged_features(inner: nn.Module, family: VisionFamily, modality: Modality, named: Optional[dict[str, Any]],
-                        token_id: int, shard: Optional[ShardInfo], rows: int,
-                        context: StepContext) -> list[torch.Tensor]:
+                        token_id: int, shard: Optional[ShardInfo], rows: int, context: StepContext,
+                        options: Optional[dict[str, Any]] = None) -> list[torch.Tensor]:
     """``[n, H_k]`` per feature tensor of the family: the feature rows of the placeholders of this rank's shard, in
     its token order, encoded by the ranks that own their units and exchanged by one all-to-all (see the module
     docstring). ``named`` is ``None`` on a rank whose batch has no item of this modality (another data-parallel
-    replica's has)."""
+    replica's has). ``options``: the call's arguments for the family's feature methods, in every encoding."""
     group = context.sp_group
+
+    def encode(inputs: dict[str, Any]) -> vision_families.Encoded:
+        return family.encode_inputs(inner, modality, {**inputs, **(options or {})})
+
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     sp, me = (dist.get_world_size(group), dist.get_rank(group)) if distributed else (1, 0)
     if named is None:  # another replica has this modality: encode a dummy to keep ZeRO's collectives in step
-        return _detached_rows(family.encode_inputs(inner, modality, family.dummy_inputs(inner, modality)).tensors)
+        return _detached_rows(encode(family.dummy_inputs(inner, modality)).tensors)
     units = family.units(inner, modality, named, shard)
     owners = _owners(units.sizes, sp)
     mine = [u for u, owner in enumerate(owners) if owner == me]  # contiguous
     if mine:
         first, last = mine[0], mine[-1] + 1
-        encoded = family.encode_inputs(inner, modality, family.slice_inputs(inner, modality, named, first, last))
+        encoded = encode(family.slice_inputs(inner, modality, named, first, last))
         local = encoded.tensors
     else:
         first = last = 0
-        encoded = family.encode_inputs(inner, modality, family.dummy_inputs(inner, modality))
+        encoded = encode(family.dummy_inputs(inner, modality))
         local = _detached_rows(encoded.tensors)
     widths = [int(t.shape[-1]) for t in local]
     local_rows = torch.cat(local, dim=-1) if len(local) > 1 else local[0]  # [t, sum H_k]

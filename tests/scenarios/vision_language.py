@@ -15,7 +15,7 @@ from tests.support.vision import SEED, VisionLanguageLM
 
 class VisionSpy(Callback):
     """Per training step: the pixel rows this rank's vision tower encoded (per call: images, videos) and the
-    collectives the vision path issued (feature all-to-alls, modality agreements)."""
+    collectives the vision path issued (feature all-to-alls, modality agreements, row-count exchanges)."""
 
     def __init__(self) -> None:
         self.steps: list[dict] = []
@@ -39,14 +39,22 @@ class VisionSpy(Callback):
 
         vision_language.all_to_all, vision_language._agree_on_modalities = counted_all_to_all, counted_agree
         self._originals = (original_all_to_all, original_agree)
+        original_row_counts = vision_language._row_counts
+
+        def counted_row_counts(*args, **kwargs):  # the row-count all-reduce of families that learn rows by encoding
+            self._count("row_counts")
+            return original_row_counts(*args, **kwargs)
+
+        vision_language._row_counts, self._original_row_counts = counted_row_counts, original_row_counts
 
     def teardown(self, trainer, pl_module, stage) -> None:
         vision_language.all_to_all, vision_language._agree_on_modalities = self._originals
+        vision_language._row_counts = self._original_row_counts
         for handle in self._undo:
             handle.remove()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.steps.append({"encoded_rows": [], "all_to_all": 0, "agreements": 0})
+        self.steps.append({"encoded_rows": [], "all_to_all": 0, "agreements": 0, "row_counts": 0})
 
     def _encoded(self, module, args, kwargs) -> None:
         if self.steps:
@@ -59,15 +67,17 @@ class VisionSpy(Callback):
 
 def run(payload: dict) -> dict:
     results = {}
-    for family, stage in payload["runs"]:
+    for family, stage, *chosen in payload["runs"]:  # (family, stage) or (family, stage, batches selected)
+        select = chosen[0] if chosen else payload.get("select")
         seed_everything(SEED, verbose=False)
-        module = VisionLanguageLM(family, select=payload.get("select"), support=payload.get("support"))
+        module = VisionLanguageLM(family, select=select, support=payload.get("support"))
         recorder, spy = Recorder(), VisionSpy()
-        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=payload["sp_size"], stage=stage),
-                               max_steps=payload.get("steps", 4),
+        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=payload["sp_size"], stage=stage,
+                                                        **payload.get("strategy", {})),
+                               max_steps=len(select) if chosen else payload.get("steps", 4),
                                callbacks=[recorder, spy])
         trainer.fit(module)
-        results[f"{family}-zero{stage}"] = {
+        results[f"{family}-zero{stage}" + ("-" + "".join(map(str, select)) if chosen else "")] = {
             "losses": recorder.losses,
             "input_shapes": recorder.input_shapes,
             "weights": ({k: v.float().cpu() for k, v in recorder.weights.items()}

@@ -135,6 +135,56 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return [collate([one]), collate([several]), collate([video]), collate(padded_pair)]
 
 
+def pack(samples: list[dict[str, Any]], family: str) -> dict[str, torch.Tensor]:
+    """One row packing ``samples`` the way a user packs for a Qwen-VL model on one device: ``position_ids`` ``[4, 1,
+    S]`` (text positions restarting per sample, then each sample's M-RoPE rows from the model's own
+    ``get_rope_index``), labels ``-100`` on each sample's first token (no sample predicts the next one's start), the
+    vision tensors of all samples in order. LLaVA (1-D positions): ``position_ids`` ``[1, S]`` restarting."""
+    ids = torch.cat([s["input_ids"] for s in samples])[None]  # [1, S]
+    text = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])[None]  # [1, S]
+    batch = collate([{**s, "input_ids": ids[0]} for s in samples[:1]])  # labels and token types of the whole row
+    batch["labels"][0, text[0] == 0] = -100
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        parts = [s[key] for s in samples if key in s]
+        if parts:
+            batch[key] = torch.cat(parts)
+    if family == "llava":
+        batch["position_ids"] = text
+        return batch
+    inner = build_model(family).model
+    rope = [inner.get_rope_index(s["input_ids"][None], collate([s])["mm_token_type_ids"],
+                                 image_grid_thw=s.get("image_grid_thw"), video_grid_thw=s.get("video_grid_thw"))[0]
+            for s in samples]  # [3, 1, S_i] each
+    batch["position_ids"] = torch.cat([text[None], torch.cat(rope, dim=2)])  # [4, 1, S]
+    return batch
+
+
+def packed_batches(family: str, separate: bool = False) -> list[dict[str, torch.Tensor]]:
+    """(e) and (f): rows packing an image sample, a text-only sample and a sample with an image and a video (Qwen-VL),
+    or image and text-only samples (LLaVA); the second packs the samples in another order. ``separate``: the same
+    samples as right-padded rows of one batch, the single-device reference of packing's promise (no sample attends
+    to another; plain transformers on ``sdpa`` does not keep packed samples apart)."""
+    rng = np.random.default_rng(13)
+    if family == "llava":
+        def one(before: int, images: int) -> dict[str, Any]:
+            ids = _text(rng, before) + ([IMAGE] * LLAVA_TOKENS + _text(rng, 3)) * images
+            out = {"input_ids": torch.tensor(ids)}
+            if images:
+                out["pixel_values"] = torch.from_numpy(
+                    rng.standard_normal((images, 3, LLAVA_IMAGE, LLAVA_IMAGE))).float()
+            return out
+
+        first, second, third = one(7, 1), one(9, 0), one(4, 2)
+    else:
+        first = sample(rng, before=6, images=[(16, 24)], after=3)
+        second = {"input_ids": torch.from_numpy(rng.integers(0, 100, 9))}
+        third = sample(rng, before=2, images=[(8, 8)], video=(4, 16, 16), after=2)
+    if separate:
+        return [collate([first, second, third]), collate([third, first])]
+    with torch.no_grad():
+        return [pack([first, second, third], family), pack([third, first], family)]
+
+
 def llava_batches() -> list[dict[str, torch.Tensor]]:
     """LLaVA's batches (fixed-size images, ``pixel_values`` ``[images, 3, H, W]``, 16 placeholders each): (a) one
     image straddling the middle of the row, (b) three images, (c) two rows, one text-only, right-padded, (d) text
@@ -154,9 +204,15 @@ def llava_batches() -> list[dict[str, torch.Tensor]]:
             collate([one(30, 0, 0)])]
 
 
-def selected_batches(select: Optional[list[int]] = None, family: str = "qwen2_vl") -> list[dict[str, torch.Tensor]]:
+def selected_batches(select: Optional[list[int]] = None, family: str = "qwen2_vl",
+                     reference: bool = False) -> list[dict[str, torch.Tensor]]:
+    """The family's batches (a)-(d), or those ``select`` names: 4 and 5 are the packed rows (e) and (f) (for the
+    ``reference``: their samples as separate rows)."""
     every = llava_batches() if family == "llava" else batches()
-    return every if select is None else [every[i] for i in select]
+    if select is None:
+        return every
+    every = every + (packed_batches(family, separate=reference) if any(i >= len(every) for i in select) else [])
+    return [every[i] for i in select]
 
 
 class BatchList(Dataset):
@@ -211,6 +267,8 @@ class VisionLanguageLM(LightningModule):
 def train_single_device(family: str, lr: float = 0.5, select: Optional[list[int]] = None,
                         support: Optional[str] = None) -> dict[str, Any]:
     """The reference: plain transformers on one process, the same batches in Lightning's order, SGD."""
+    import sys
+
     from tests.support.models import lightning_order
 
     helpers = family_support(support)
@@ -218,7 +276,8 @@ def train_single_device(family: str, lr: float = 0.5, select: Optional[list[int]
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    chosen = helpers.selected_batches(select, family)
+    chosen = (helpers.selected_batches(select, family, reference=True) if helpers is sys.modules[__name__]
+              else helpers.selected_batches(select, family))
     for batch in [chosen[i] for i in lightning_order(len(chosen), SEED)]:
         optimizer.zero_grad()
         loss = model(**batch).loss
