@@ -9,6 +9,12 @@ prepared model's ``config._attn_implementation`` at them (and back on restore); 
 prepared never reaches them. Each call finds the step's context (SP group, shard layout) on the attention module
 itself. Attention modules that call torch's SDPA directly instead of going through the registry are handled in
 :mod:`lightning_ulysses.models.hf`, not here. The only state kept here is a small cache of flex-attention block masks.
+
+A call whose image tokens attend to each other both ways (Gemma 3 in training) carries its blocks in the keyword
+:data:`IMAGE_BLOCKS_KWARG` (an :class:`~lightning_ulysses.parallel.image_blocks.ImageBlocks`, set by the call's
+completion, :mod:`lightning_ulysses.models.vision_families.gemma3`); transformers hands a model call's extra keywords
+down to every attention call, so the blocks travel with the call (also into an activation checkpoint's recompute).
+Only such calls take the block path (:func:`~lightning_ulysses.parallel.image_blocks.attend_image_blocks`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch import nn
 from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.parallel.exchange import head_to_sequence_shards, sequence_to_head_shards
+from lightning_ulysses.parallel.image_blocks import ImageBlocks, attend_image_blocks
 from lightning_ulysses.parallel.ring import causal_window_mask, document_ids, ring_attention
 from lightning_ulysses.training.step_context import StepContext
 
@@ -29,6 +36,9 @@ SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_a
 ATTENTION_PREFIX = "ulysses_"
 
 CONTEXT_ATTRIBUTE = "_ulysses_step_context"
+
+# The keyword of a model call (and so of its attention calls) that carries its bidirectional image blocks.
+IMAGE_BLOCKS_KWARG = "ulysses_image_blocks"
 
 
 # Keyword arguments that describe the *local* shard's positions; the attention over the full sequence must not see them.
@@ -172,7 +182,11 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
 
         for name in _LOCAL_POSITION_KWARGS:
             kwargs.pop(name, None)
+        blocks: Optional[ImageBlocks] = kwargs.pop(IMAGE_BLOCKS_KWARG, None)
         _refuse_unshardable_inputs(module, attention_mask, kwargs)
+        if blocks:  # refused before the forward already (the call's completion); kept here for any other caller
+            refuse_unsupported_image_blocks(type(module).__name__, inner_name, context,
+                                            bool(getattr(module, "is_causal", True)))
         group = context.ulysses_group
         q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
         inner = ALL_ATTENTION_FUNCTIONS[inner_name]
@@ -199,10 +213,47 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
             out = _sdpa_causal(inner, view, q, k, v, window, kwargs)  # [B, S, hq, D]
         else:
             out, _ = inner(view, q, k, v, None, **kwargs)  # [B, S, hq, D]
+        if blocks:  # the rows of the image blocks' queries, over the keys their blocks let them see
+            out = attend_image_blocks(_masked_attention(inner, view, kwargs), q, k, v, out, blocks, window)
         return head_to_sequence_shards(out, group, query.shape[1]), None  # [B, s, Hq, D]
 
     ulysses_attention_forward.__name__ = f"ulysses_{inner_name}_forward"
     return ulysses_attention_forward
+
+
+def _masked_attention(inner: Callable, module: Any, kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    """The inner attention as :func:`attend_image_blocks` calls it: ``q/k/v [B, h, L, D]`` and a ``[lq, lk]`` bool
+    mask (``None``: every key) -> ``[B, lq, hq, D]``, never causal by itself."""
+    not_causal = dict(kwargs, is_causal=False)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        return inner(module, q, k, v, None if mask is None else mask[None, None], **not_causal)[0]
+
+    return attend
+
+
+def refuse_unsupported_image_blocks(name: str, inner_name: str, context: StepContext, causal: bool = True) -> None:
+    """Bidirectional image blocks are exact with ``sdpa``, Ulysses only (``ring_size=1``), one sample per row, on a
+    causal decoder; refuse anything else before it computes."""
+    shard = context.shard_info
+    problem = None
+    if inner_name != "sdpa":
+        problem = (f"attn_implementation {inner_name!r}: the block attention runs through 'sdpa' only; load the model"
+                   " with attn_implementation='sdpa'")
+    elif context.ring_size > 1:
+        problem = (f"ring attention (ring_size={context.ring_size}) does not attend within image blocks; use"
+                   " ring_size=1 (Ulysses only)")
+    elif shard is not None and shard.packed:
+        problem = "rows that pack several samples; give one sample per row (right-padded)"
+    elif not causal:
+        problem = "a layer that attends bidirectionally already (use_bidirectional_attention); train it causal"
+    if problem is not None:
+        raise ValueError(
+            f"{name} is called with image tokens that attend to each other both ways (`token_type_ids` marks image"
+            f" blocks, as in Gemma 3's training), which sequence parallelism supports exactly except with {problem}."
+            " Or leave `token_type_ids` out of the call (then every token attends causally, as one device does"
+            " without them)."
+        )
 
 
 # Tensors some models hand their attention besides q, k, v (additive position biases, attention sinks): the exchange

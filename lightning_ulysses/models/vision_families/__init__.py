@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from lightning_ulysses.models.vision_families.base import IMAGE, VIDEO, Encoded, Modality, Units, VisionFamily
+from lightning_ulysses.models.vision_families.gemma3 import Gemma3Family
 from lightning_ulysses.models.vision_families.internvl import InternVLFamily
 from lightning_ulysses.models.vision_families.llava import LlavaFamily
 from lightning_ulysses.models.vision_families.mistral3 import Mistral3Family
@@ -18,6 +19,7 @@ from lightning_ulysses.models.vision_families.qwen3 import Qwen3VLFamily, Qwen35
 FAMILIES: list[VisionFamily] = [QwenGridFamily(), Qwen25VLFamily(), LlavaFamily()]
 FAMILIES += [InternVLFamily(), Mistral3Family()]
 FAMILIES += [Qwen3VLFamily(), Qwen35Family()]
+FAMILIES += [Gemma3Family()]
 SUPPORTED_FAMILIES: dict[str, VisionFamily] = {name: family for family in FAMILIES for name in family.model_types}
 
 

@@ -93,6 +93,12 @@ class VisionFamily:
 
         return BaseModelOutputWithPooling(pooler_output=(tensors[0],))
 
+    def complete_attention(self, model: nn.Module, named: dict[str, Any], shard: Optional[ShardInfo],
+                           context: Any) -> None:
+        """Anything the family's attention needs beyond causal attention, added to the call ``named`` in place
+        before its forward (every call, text-only ones too; e.g. Gemma 3's bidirectional image blocks). Default:
+        nothing."""
+
     def consumed_keys(self, modality: Modality) -> tuple[str, ...]:
         """The batch keys the model must not get once its features are given (it refuses both)."""
         return (modality.pixels_key,)
