@@ -12,6 +12,7 @@ from lightning_ulysses.models.vision_families.base import IMAGE, VIDEO, Encoded,
 from lightning_ulysses.models.vision_families.gemma3 import Gemma3Family
 from lightning_ulysses.models.vision_families.internvl import InternVLFamily
 from lightning_ulysses.models.vision_families.llava import LlavaFamily
+from lightning_ulysses.models.vision_families.llava_next import LlavaNextFamily, LlavaOnevisionFamily
 from lightning_ulysses.models.vision_families.mistral3 import Mistral3Family
 from lightning_ulysses.models.vision_families.qwen import Qwen25VLFamily, QwenGridFamily
 from lightning_ulysses.models.vision_families.qwen3 import Qwen3VLFamily, Qwen35Family
@@ -20,6 +21,7 @@ FAMILIES: list[VisionFamily] = [QwenGridFamily(), Qwen25VLFamily(), LlavaFamily(
 FAMILIES += [InternVLFamily(), Mistral3Family()]
 FAMILIES += [Qwen3VLFamily(), Qwen35Family()]
 FAMILIES += [Gemma3Family()]
+FAMILIES += [LlavaNextFamily(), LlavaOnevisionFamily()]
 SUPPORTED_FAMILIES: dict[str, VisionFamily] = {name: family for family in FAMILIES for name in family.model_types}
 
 

@@ -103,6 +103,17 @@ class VisionFamily:
         """The batch keys the model must not get once its features are given (it refuses both)."""
         return (modality.pixels_key,)
 
+    def call_options(self, named: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments of the model's call that its forward passes on to its feature methods (e.g.
+        LLaVA-NeXT's ``vision_feature_layer``), added to every encoding's inputs of the call, a dummy's too, so that
+        each rank's vision tower runs as the call asks. Default: none."""
+        return {}
+
+    def modality_output(self, modality: Modality, tensors: list[torch.Tensor]) -> Any:
+        """What the model's forward takes under ``mm_encoder_outputs[modality.name]``: :meth:`encoder_output`, unless
+        the family's forward takes its modalities in different forms."""
+        return self.encoder_output(tensors)
+
 
 def encoder_rows(output: Any) -> torch.Tensor:
     """``[N, H]``: a ``get_*_features`` output's feature rows of all its items, in item order."""
