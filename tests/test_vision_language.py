@@ -23,9 +23,13 @@ def trained():
                    "strategy": {"sdpa_per_document": True}})  # packed rows on sdpa: one exact call per sample
 
 
+DP_SP = ("qwen2_vl", 3, [0, 1, 2, 3, 4, 5], 2)  # 4 processes: sp=2 × dp=2, batches (a)-(f), 3 steps
+
+
 @pytest.fixture(scope="module")
 def trained_sp4():
-    return launch(4, "vision_language:run", {"runs": RUNS_SP4, "sp_size": 4})
+    return launch(4, "vision_language:run", {"runs": RUNS_SP4 + [DP_SP], "sp_size": 4, "processes": 4,
+                                             "strategy": {"sdpa_per_document": True}})
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +71,23 @@ def test_packed_rows_with_images_train_as_on_one_device(trained, family, stage):
 
     initial = dict(build_model(family).named_parameters())
     assert update_rel_diff(trained[0][key]["weights"], reference["weights"], initial) <= 1e-4
+
+
+def test_data_parallel_replicas_with_different_modalities_train_as_one_device(trained_sp4):
+    """sp=2 × dp=2 at ZeRO 3: in a step one replica may hold images and a video while the other holds only text or a
+    packed row; the world agrees on the modalities, a replica without them encodes a dummy, and the step is one
+    device's step on the global batch (the loss a mean over all its target tokens)."""
+    from tests.support.vision import build_model, train_data_parallel_reference
+
+    family, stage, select, sp = DP_SP
+    reference = train_data_parallel_reference(family, select, replicas=2)
+    key = f"{family}-zero{stage}-{''.join(map(str, select))}-sp{sp}"
+    assert sorted(result[key]["dp_rank"] for result in trained_sp4) == [0, 0, 1, 1]
+    for result in trained_sp4:
+        assert rel_diff(result[key]["losses"], reference["losses"]) <= 1e-5, (result[key]["losses"],
+                                                                             reference["losses"])
+    initial = dict(build_model(family).named_parameters())
+    assert update_rel_diff(trained_sp4[0][key]["weights"], reference["weights"], initial) <= 1e-4
 
 
 def test_every_batch_is_cut_in_two(trained):

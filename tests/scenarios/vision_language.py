@@ -58,7 +58,8 @@ class VisionSpy(Callback):
 
     def _encoded(self, module, args, kwargs) -> None:
         if self.steps:
-            self.steps[-1]["encoded_rows"].append(int(args[0].shape[0]))
+            pixels = args[0] if args else next(v for k, v in kwargs.items() if k.startswith("pixel_values"))
+            self.steps[-1]["encoded_rows"].append(int(pixels.shape[0]))
 
     def _count(self, name: str) -> None:
         if self.steps:
@@ -67,22 +68,26 @@ class VisionSpy(Callback):
 
 def run(payload: dict) -> dict:
     results = {}
-    for family, stage, *chosen in payload["runs"]:  # (family, stage) or (family, stage, batches selected)
+    # each run: (family, stage), (family, stage, batches selected) or (family, stage, batches selected, sp_size)
+    for family, stage, *chosen in payload["runs"]:
         select = chosen[0] if chosen else payload.get("select")
+        sp_size = chosen[1] if len(chosen) > 1 else payload["sp_size"]
+        replicas = payload.get("processes", sp_size) // sp_size  # Lightning's teardown drops WORLD_SIZE
         seed_everything(SEED, verbose=False)
         module = VisionLanguageLM(family, select=select, support=payload.get("support"))
         recorder, spy = Recorder(), VisionSpy()
-        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=payload["sp_size"], stage=stage,
-                                                        **payload.get("strategy", {})),
-                               max_steps=len(select) if chosen else payload.get("steps", 4),
+        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=sp_size, stage=stage, **payload.get("strategy", {})),
+                               max_steps=len(select) // replicas if chosen else payload.get("steps", 4),
                                callbacks=[recorder, spy])
         trainer.fit(module)
-        results[f"{family}-zero{stage}" + ("-" + "".join(map(str, select)) if chosen else "")] = {
+        key = f"{family}-zero{stage}" + ("-" + "".join(map(str, select)) if chosen else "")
+        results[key + (f"-sp{sp_size}" if len(chosen) > 1 else "")] = {
             "losses": recorder.losses,
             "input_shapes": recorder.input_shapes,
             "weights": ({k: v.float().cpu() for k, v in recorder.weights.items()}
                         if torch.distributed.get_rank() == 0 else None),
             "vision_attention": module.model.config.vision_config._attn_implementation,
             "vision_steps": spy.steps,
+            "dp_rank": trainer.strategy.dp_rank,
         }
     return results

@@ -285,3 +285,26 @@ def train_single_device(family: str, lr: float = 0.5, select: Optional[list[int]
         optimizer.step()
         losses.append(loss.item())
     return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()}}
+
+
+def train_data_parallel_reference(family: str, select: list[int], replicas: int, lr: float = 0.5) -> dict[str, Any]:
+    """One process standing in for ``replicas`` data-parallel replicas: step ``k`` takes batch ``order[k·replicas +
+    r]`` for replica ``r`` (Lightning's DistributedSampler over the shuffled order), and the step is one device's
+    step on the global batch: the loss is the mean over all the replicas' target tokens."""
+    from tests.support.models import lightning_order
+
+    model = build_model(family)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    chosen = selected_batches(select, family, reference=True)
+    order = lightning_order(len(chosen), SEED)
+    losses = []
+    for step in range(len(chosen) // replicas):
+        optimizer.zero_grad()
+        parts = [chosen[order[step * replicas + r]] for r in range(replicas)]
+        targets = [int((part["labels"][:, 1:] != -100).sum()) for part in parts]
+        loss = sum(model(**part).loss * count for part, count in zip(parts, targets)) / sum(targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()}}
