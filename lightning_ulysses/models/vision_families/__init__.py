@@ -17,11 +17,10 @@ from lightning_ulysses.models.vision_families.mistral3 import Mistral3Family
 from lightning_ulysses.models.vision_families.qwen import Qwen25VLFamily, QwenGridFamily
 from lightning_ulysses.models.vision_families.qwen3 import Qwen3VLFamily, Qwen35Family
 
-FAMILIES: list[VisionFamily] = [QwenGridFamily(), Qwen25VLFamily(), LlavaFamily()]
-FAMILIES += [InternVLFamily(), Mistral3Family()]
-FAMILIES += [Qwen3VLFamily(), Qwen35Family()]
-FAMILIES += [Gemma3Family()]
-FAMILIES += [LlavaNextFamily(), LlavaOnevisionFamily()]
+FAMILIES: list[VisionFamily] = [
+    QwenGridFamily(), Qwen25VLFamily(), Qwen3VLFamily(), Qwen35Family(), Gemma3Family(), LlavaFamily(),
+    LlavaNextFamily(), LlavaOnevisionFamily(), InternVLFamily(), Mistral3Family(),
+]
 SUPPORTED_FAMILIES: dict[str, VisionFamily] = {name: family for family in FAMILIES for name in family.model_types}
 
 
