@@ -1,14 +1,17 @@
-"""Fine-tune a vision-language model (Qwen2.5-VL or Qwen2-VL) on images and a video with Ulysses sequence parallelism.
+"""Fine-tune a vision-language model (Qwen3.5, Qwen2.5-VL or Qwen2-VL) on images and a video with Ulysses SP.
 
-The model is a tiny ``Qwen2_5_VLForConditionalGeneration`` built from a config (nothing is downloaded); the data are
-synthetic: random images run through the model family's own image processor (its PIL backend), and a short random
-video given in the vision tower's patch layout, each between random text tokens. The LightningModule is what you
-would write for one device (``self.model(**batch).loss``); only the strategy argument differs. Under SP every rank
-holds ``S / sp_size`` tokens, encodes its share of the images and video frames, and receives the image-feature rows
-of the placeholder tokens in its shard (see docs/vision-language.md).
+The model is a tiny vision-language model built from a config (nothing is downloaded): Qwen3.5 by default (a
+decoder of gated delta nets and gated attention, a vision tower with learned position embeddings), Qwen2.5-VL or
+Qwen2-VL. The data are synthetic: random images run through the model family's own image processor (its PIL
+backend), and a short random video given in the vision tower's patch layout, each between random text tokens. Qwen3.5
+reads a video the way its processor writes it: per temporal patch (two frames) a timestamp in text, then
+``<vision_start>``, the placeholders and ``<vision_end>``; the Qwen2 families read one run of placeholders per video.
+The LightningModule is what you would write for one device (``self.model(**batch).loss``); only the strategy argument
+differs. Under SP every rank holds ``S / sp_size`` tokens, encodes its share of the images and video frames, and
+receives the image-feature rows of the placeholder tokens in its shard (see docs/vision-language.md).
 
     python examples/finetune_vlm.py                      # CPU: 2 processes, sp_size=2, about 10 seconds
-    python examples/finetune_vlm.py --family qwen2_vl --frames 8
+    python examples/finetune_vlm.py --family qwen2_5_vl --frames 8
     torchrun --nproc_per_node=2 examples/finetune_vlm.py
 """
 
@@ -29,13 +32,15 @@ from lightning_ulysses import StepProgressBar, UlyssesDeepSpeedStrategy
 
 IMAGE, VIDEO, START, END = 120, 121, 122, 123  # placeholder and delimiter token ids; text tokens are 0..99
 PATCH, MERGE, TEMPORAL = 4, 2, 2  # vision patch size, spatial merge, temporal patch size
+FPS = 2.0  # the synthetic videos' frame rate (Qwen3.5's timestamps)
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_5")
 
 for _noise in (".*does not have many workers.*", ".*LeafSpec.*", ".*all_gather_into_tensor.*"):
     warnings.filterwarnings("ignore", _noise)
 
 
 def build_model(family: str) -> torch.nn.Module:
-    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen2VLConfig
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3_5Config
 
     text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=4096,
@@ -45,6 +50,16 @@ def build_model(family: str) -> torch.nn.Module:
     tokens = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
     if family == "qwen2_vl":
         config = Qwen2VLConfig(text_config=text, vision_config=dict(vision, embed_dim=32, mlp_ratio=2), **tokens)
+    elif family == "qwen3_5":
+        # layer 0 a gated delta net, layer 1 gated attention; interleaved M-RoPE on half of each 16-wide head
+        rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+                "partial_rotary_factor": 0.5, "rope_theta": 10000.0}
+        mixers = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                      linear_conv_kernel_dim=4)
+        config = Qwen3_5Config(text_config=dict(text, head_dim=16, rope_parameters=rope, **mixers),
+                               vision_config=dict(vision, intermediate_size=96, out_hidden_size=64,
+                                                  num_position_embeddings=64), **tokens)
     else:
         config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(vision, intermediate_size=96, out_hidden_size=64,
                                                                        window_size=16, fullatt_block_indexes=[1]),
@@ -52,15 +67,29 @@ def build_model(family: str) -> torch.nn.Module:
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
 
 
+def video_tokens(family: str, grid: torch.Tensor) -> list[int]:
+    """A video's tokens: Qwen3.5 writes ``<t seconds> <start> placeholders <end>`` per temporal patch (the timestamp
+    one text token per character here, as there is no tokenizer), the Qwen2 families one run of placeholders."""
+    frames, height, width = grid[0].tolist()
+    per_patch = height * width // MERGE ** 2
+    if family != "qwen3_5":
+        return [START] + [VIDEO] * (frames * per_patch) + [END]
+    ids = []
+    for patch in range(frames):
+        seconds = (patch * TEMPORAL + (TEMPORAL - 1) / 2) / FPS  # the mean time of the patch's frames
+        ids += [ord(c) % 100 for c in f"<{seconds:.1f} seconds>"] + [START] + [VIDEO] * per_patch + [END]
+    return ids
+
+
 class SyntheticVisionText(Dataset):
     """Samples of text, one image of a random size and (every other sample) a video of ``frames`` frames."""
 
-    def __init__(self, samples: int, frames: int, seed: int = 0) -> None:
+    def __init__(self, samples: int, frames: int, seed: int = 0, family: str = "qwen2_5_vl") -> None:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.processor = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL,
                                                   min_pixels=8 * 8, max_pixels=64 * 64)
-        self.samples, self.frames, self.seed = samples, frames, seed
+        self.samples, self.frames, self.seed, self.family = samples, frames, seed, family
 
     def __len__(self) -> int:
         return self.samples
@@ -77,7 +106,7 @@ class SyntheticVisionText(Dataset):
             sample["pixel_values_videos"] = torch.randn(int(grid.prod()), 3 * TEMPORAL * PATCH * PATCH,
                                                         generator=torch.Generator().manual_seed(self.seed + index))
             sample["video_grid_thw"] = grid
-            ids += rng.integers(0, 100, 8).tolist() + [START] + [VIDEO] * int(grid.prod() // MERGE ** 2) + [END]
+            ids += rng.integers(0, 100, 8).tolist() + video_tokens(self.family, grid)
         ids += rng.integers(0, 100, 40).tolist()
         sample["input_ids"] = torch.tensor(ids)
         return sample
@@ -104,7 +133,7 @@ class VisionLanguageFinetune(LightningModule):
     def __init__(self, family: str, samples: int, frames: int, batch_size: int, lr: float) -> None:
         super().__init__()
         self.model = build_model(family)
-        self.data = SyntheticVisionText(samples, frames)
+        self.data = SyntheticVisionText(samples, frames, family=family)
         self.batch_size, self.lr = batch_size, lr
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -121,7 +150,7 @@ class VisionLanguageFinetune(LightningModule):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=["qwen2_5_vl", "qwen2_vl"], default="qwen2_5_vl")
+    parser.add_argument("--family", choices=FAMILIES, default="qwen3_5")
     parser.add_argument("--sp-size", type=int, default=2)
     parser.add_argument("--frames", type=int, default=8, help="frames of each synthetic video (even)")
     parser.add_argument("--samples", type=int, default=16)

@@ -231,8 +231,8 @@ def test_the_example_fine_tunes_from_the_command_line():
 def test_the_example_builds_both_families():
     from examples.finetune_vlm import SyntheticVisionText, build_model, collate
 
-    batch = collate([SyntheticVisionText(2, frames=4)[i] for i in range(2)])
-    for family in ("qwen2_5_vl", "qwen2_vl"):
+    for family in ("qwen2_5_vl", "qwen2_vl", "qwen3_5"):
+        batch = collate([SyntheticVisionText(2, frames=4, family=family)[i] for i in range(2)])
         model = build_model(family)
         assert model.config.model_type == family
         assert model(**batch).loss.isfinite()
