@@ -89,16 +89,30 @@ def _prepared_call(batch: dict):
     return named, info, StepContext(sp_group=None, ulysses_group=None, ring_group=None, in_step=True)
 
 
+def _tiles_flattened(family: str, model: torch.nn.Module, batch: dict) -> dict:
+    """The batch with ``pixel_values`` ``[all tiles, C, H, W]`` (each image's tiles the model takes, in turn), the
+    model's other form."""
+    from lightning_ulysses.models.vision_families.llava_next import tiles_of
+
+    per_row = batch.get("batch_num_images") if family == "llava_onevision" else None
+    images = batch["pixel_values"].shape[0]
+    base_only = [n > 1 for n in per_row.tolist() for _ in range(n)] if per_row is not None else [False] * images
+    tiles = [1 if only else tiles_of(model.model, size) for size, only in zip(batch["image_sizes"].tolist(),
+                                                                               base_only)]
+    return {**batch, "pixel_values": torch.cat([pixels[:n] for pixels, n in zip(batch["pixel_values"], tiles)])}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_single_process_call_places_every_feature_row_as_the_model_does(family):
-    """sp=1 through the same path (units, encoding, placement): the model's output equals its own forward, also with
-    the call's own ``vision_feature_layer`` (not the config's), which reaches the features as the forward passes it."""
+    """sp=1 through the same path (units, encoding, placement): the model's output equals its own forward, for both
+    forms of ``pixel_values``, also with the call's own ``vision_feature_layer`` (not the config's), which reaches
+    the features as the forward passes it."""
     from lightning_ulysses.models import vision_language
 
     model = build_model(family).eval()
     other_layer = {"llava_next": -1, "llava_onevision": -2}[family]
     for options in ({}, {"vision_feature_layer": other_layer}):
-        for batch in batches(family):
+        for batch in batches(family) + [_tiles_flattened(family, model, b) for b in batches(family)]:
             batch = {k: v for k, v in batch.items() if k != "labels"}
             named, info, context = _prepared_call(batch)
             named.update(options)
@@ -115,13 +129,14 @@ def test_a_single_process_call_places_every_feature_row_as_the_model_does(family
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_runs_of_units_encode_to_the_rows_of_the_whole(family):
-    """Every run of units (images, OneVision's multi-image rows as one, a video's frames) encodes to its slice of
-    the whole batch's feature rows, with the row counts the exchange is told."""
+    """Every run of units (images, OneVision's multi-image rows as one, a video's frames; both forms of
+    ``pixel_values``) encodes to its slice of the whole batch's feature rows, with the row counts the exchange is
+    told."""
     from lightning_ulysses.models.vision_families import IMAGE, VIDEO, family_of
 
     model = build_model(family).eval()
     inner, adapter = model.model, family_of(family)
-    for batch in batches(family):
+    for batch in batches(family) + [_tiles_flattened(family, model, b) for b in batches(family)]:
         named, info, _ = _prepared_call(batch)
         for modality in adapter.modalities:
             if named.get(modality.pixels_key) is None:
@@ -169,3 +184,14 @@ def test_the_per_image_keys_are_never_cut():
     from lightning_ulysses.data.sharding import VISION_KEYS
 
     assert {"image_sizes", "image_sizes_videos", "batch_num_images", "pixel_values_videos"} <= set(VISION_KEYS)
+
+
+def test_images_that_batch_num_images_does_not_count_are_refused_before_encoding():
+    from lightning_ulysses.models.vision_families import IMAGE, family_of
+
+    model = build_model("llava_onevision")
+    batch = dict(batches("llava_onevision")[1])  # two rows of one image each
+    batch["batch_num_images"] = torch.tensor([1])
+    named, info, _ = _prepared_call(batch)
+    with pytest.raises(ValueError, match=r"batch_num_images \[1\] count 1 images where image_sizes holds 2"):
+        family_of("llava_onevision").units(model.model, IMAGE, named, info)

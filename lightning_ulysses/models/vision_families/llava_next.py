@@ -1,14 +1,14 @@
 """LLaVA-NeXT and LLaVA-OneVision: any-resolution images cut into tiles, 1-D text positions; OneVision's videos.
 
-Images: ``pixel_values [images, tiles, C, H, W]`` (tiles padded to the batch's most), ``image_sizes [images, 2]``
-(height, width in pixels). An image's tiles are its whole picture resized (the base tile) and the crops of the grid
-resolution its size selects; its feature rows are the base tile's rows, then the grid's rows unpadded to the
-picture's aspect ratio (OneVision: shrunk to at most ``vision_aspect_ratio`` tiles) with an image-newline row after
-each line. Unpadding and newline rows work on all tiles of the image together, so each image is one unit of the
-vision tower (its work: its tiles), and how many rows it gives only its encoding tells (:class:`Units` without
-``rows``: the ranks exchange their images' row counts). OneVision encodes the images of a sample with several
-(``batch_num_images`` > 1) from their base tile only; such a sample's images form one unit, so that every run of
-units says the same to the model's ``batch_num_images``.
+Images: ``pixel_values [images, tiles, C, H, W]`` (tiles padded to the batch's most; or ``[all tiles, C, H, W]``,
+each image's in turn), ``image_sizes [images, 2]`` (height, width in pixels). An image's tiles are its whole picture
+resized (the base tile) and the crops of the grid resolution its size selects; its feature rows are the base tile's
+rows, then the grid's rows unpadded to the picture's aspect ratio (OneVision: shrunk to at most
+``vision_aspect_ratio`` tiles) with an image-newline row after each line. Unpadding and newline rows work on all
+tiles of the image together, so each image is one unit of the vision tower (its work: its tiles), and how many rows
+it gives only its encoding tells (:class:`Units` without ``rows``: the ranks exchange their images' row counts).
+OneVision encodes the images of a sample with several (``batch_num_images`` > 1) from their base tile only; such a
+sample's images form one unit, so that every run of units says the same to the model's ``batch_num_images``.
 
 Videos (OneVision): ``pixel_values_videos [videos, frames, C, H, W]``; every frame gives the same number of pooled
 rows and each video one image-newline row after its last frame. Each frame is one unit: a rank encodes its run of
@@ -54,7 +54,7 @@ def tiles_of(inner: nn.Module, image_size: list[int]) -> int:
 
 def image_groups(named: dict[str, Any], by_sample: bool) -> list[ImageGroup]:
     """The batch's images as units: one per image, or (``by_sample``: OneVision) one per sample with several."""
-    images = int(named[IMAGE.pixels_key].shape[0])
+    images = int(named["image_sizes"].shape[0])
     per_sample = named.get("batch_num_images") if by_sample else None
     if per_sample is None:
         return [ImageGroup(k, 1, True) for k in range(images)]
@@ -67,7 +67,7 @@ def image_groups(named: dict[str, Any], by_sample: bool) -> list[ImageGroup]:
         start += count
     if start != images:
         raise ValueError(f"The batch's batch_num_images {per_sample.tolist()} count {start} images where"
-                         f" pixel_values holds {images}.")
+                         f" image_sizes holds {images}.")
     return groups
 
 
@@ -100,10 +100,16 @@ class LlavaNextFamily(VisionFamily):
             per_frame = pooled_rows_per_frame(inner)
             rows = [per_frame + (frame == frames - 1) for _ in range(videos) for frame in range(frames)]
             return Units([1] * len(rows), rows)
-        sizes = named["image_sizes"].tolist()
-        return Units([sum(tiles_of(inner, sizes[k]) if group.tiled else 1
-                          for k in range(group.start, group.start + group.count))
+        tiles = self._image_tiles(inner, named)
+        return Units([sum(tiles[group.start:group.start + group.count])
                       for group in image_groups(named, self.images_by_sample)], None)
+
+    def _image_tiles(self, inner: nn.Module, named: dict[str, Any]) -> list[int]:
+        """The tiles the model takes of each image: the base tile and its grid's, or the base tile only (OneVision's
+        images of a sample with several)."""
+        sizes = named["image_sizes"].tolist()
+        tiled = [group.tiled for group in image_groups(named, self.images_by_sample) for _ in range(group.count)]
+        return [tiles_of(inner, size) if whole else 1 for size, whole in zip(sizes, tiled)]
 
     def slice_inputs(self, inner: nn.Module, modality: Modality, named: dict[str, Any], first: int,
                      last: int) -> dict[str, Any]:
@@ -111,8 +117,14 @@ class LlavaNextFamily(VisionFamily):
             return self._frames(named, first, last)
         groups = image_groups(named, self.images_by_sample)[first:last]
         start, stop = groups[0].start, groups[-1].start + groups[-1].count
-        inputs = {"pixel_values": named[modality.pixels_key][start:stop],  # [k, tiles, C, H, W]
-                  "image_sizes": named["image_sizes"][start:stop], "images_per_unit": [g.count for g in groups]}
+        pixels = named[modality.pixels_key]
+        if pixels.ndim == 5:  # [images, tiles (padded), C, H, W]
+            pixels = pixels[start:stop]
+        else:  # [all tiles, C, H, W]: each image's tiles in turn
+            tiles = self._image_tiles(inner, named)
+            pixels = pixels[sum(tiles[:start]):sum(tiles[:stop])]
+        inputs = {"pixel_values": pixels, "image_sizes": named["image_sizes"][start:stop],
+                  "images_per_unit": [g.count for g in groups]}
         per_sample = named.get("batch_num_images") if self.images_by_sample else None
         if per_sample is not None:  # a unit of several base-only images is one such sample, any other one image
             inputs["batch_num_images"] = torch.tensor(inputs["images_per_unit"], device=per_sample.device)
