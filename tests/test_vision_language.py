@@ -236,3 +236,19 @@ def test_the_example_builds_both_families():
         model = build_model(family)
         assert model.config.model_type == family
         assert model(**batch).loss.isfinite()
+
+
+def test_the_decoders_own_cache_is_off_while_prepared_and_given_back():
+    """A vision-language model's decoder reads its own config's ``use_cache``: off while prepared (a cache there
+    carried a gated delta net's state from one packed sample's run to the next: Qwen3.5's packed rows failed in
+    backward), given back after."""
+    from lightning_ulysses.models.hf import prepare_model, restore_model
+    from lightning_ulysses.training.step_context import StepContext
+    from tests.support.vision import build_model
+
+    model = build_model("qwen2_vl")
+    assert model.config.text_config.use_cache is True
+    prepare_model(model, StepContext(sp_group=None, ulysses_group=None, ring_group=None))
+    assert model.config.text_config.use_cache is False
+    restore_model(model)
+    assert model.config.text_config.use_cache is True

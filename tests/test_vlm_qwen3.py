@@ -13,11 +13,15 @@ from tests.test_parity import rel_diff, update_rel_diff
 
 SUPPORT = "tests.support.vision_qwen3"
 RUNS = [("qwen3_vl", 2), ("qwen3_vl_moe", 2), ("qwen3_5", 2), ("qwen3_5_moe", 2), ("qwen3_vl", 3)]
+PACKED = [4, 5]  # the packed-row batches (e) and (f)
+RUNS_PACKED = [("qwen3_5", 2), ("qwen3_vl", 2)]
 
 
 @pytest.fixture(scope="module")
 def trained():
-    return launch(2, "vision_language:run", {"runs": RUNS, "sp_size": 2, "support": SUPPORT})
+    return launch(2, "vision_language:run", {
+        "runs": RUNS + [(family, stage, PACKED) for family, stage in RUNS_PACKED], "sp_size": 2, "support": SUPPORT,
+        "strategy": {"sdpa_per_document": True}})  # packed rows on sdpa: one exact call per sample
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,21 @@ def test_training_matches_single_device(trained, references, family, stage):
         deepstack = {k: v for k, v in vision.items() if "deepstack_merger_list" in k}
         reference_deepstack = {k: reference["weights"][k] for k in deepstack}
         assert deepstack and update_rel_diff(deepstack, reference_deepstack, initial) <= 1e-4
+
+
+@pytest.mark.parametrize("family, stage", RUNS_PACKED, ids=[f"{f}-zero{s}" for f, s in RUNS_PACKED])
+def test_packed_rows_with_images_and_video_train_as_separate_rows(trained, family, stage):
+    """Rows packing an image sample, a text-only sample and an image-and-video sample with ``[4, 1, S]`` positions:
+    no sample attends to (Qwen3.5: no gated delta net runs across) another, as the same samples in separate rows on
+    one device."""
+    from tests.support.vision_qwen3 import build_model
+
+    reference = train_single_device(family, select=PACKED, support=SUPPORT)
+    key = f"{family}-zero{stage}-45"
+    for rank in trained:
+        assert rel_diff(rank[key]["losses"], reference["losses"]) <= 1e-5, (rank[key]["losses"], reference["losses"])
+    initial = dict(build_model(family).named_parameters())
+    assert update_rel_diff(trained[0][key]["weights"], reference["weights"], initial) <= 1e-4
 
 
 def test_the_vision_work_is_split_and_every_feature_tensor_travels_in_one_exchange(trained):

@@ -59,6 +59,7 @@ class _SavedModelState:
     mixers: list[nn.Module] = field(default_factory=list)
     rotaries: list[nn.Module] = field(default_factory=list)
     hooks: list[Any] = field(default_factory=list)
+    sub_config_caches: list[tuple[Any, Any]] = field(default_factory=list)  # (sub-config, its use_cache)
 
 _SAVED_STATE = "_ulysses_saved_state"
 
@@ -92,6 +93,12 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
         saved.rotaries = wrap_length_dependent_rotaries(model, context)
         if saved.use_cache is not None:
             config.use_cache = False  # a KV cache of one shard is useless and would size masks wrongly
+        # A vision-language model's decoder reads its own config's use_cache: a cache there would also carry a
+        # mixer's state from one packed sample's run to the next.
+        saved.sub_config_caches = [(sub, sub.use_cache) for sub in _sub_configs(config)
+                                   if getattr(sub, "use_cache", None) is not None]
+        for sub, _ in saved.sub_config_caches:
+            sub.use_cache = False
         model.__dict__[_SAVED_STATE] = saved
     # Every module that dispatches attention holds a config; give each the step context (SP group, documents).
     saved.marked_modules = [m for m in model.modules() if hasattr(m, "config")]
@@ -130,6 +137,13 @@ def _refuse_router_aux_loss(model: nn.Module, args: tuple, kwargs: dict) -> None
         )
 
 
+def _sub_configs(config: Any) -> list[Any]:
+    """The configs nested in ``config`` (a vision-language model's ``text_config``, ...), one level deep."""
+    from transformers import PretrainedConfig
+
+    return [value for value in vars(config).values() if isinstance(value, PretrainedConfig)]
+
+
 def restore_model(model: nn.Module) -> None:
     """Undo :func:`prepare_model`: the model's attention, cache setting and loss are what they were before."""
     saved: Optional[_SavedModelState] = model.__dict__.pop(_SAVED_STATE, None)
@@ -138,6 +152,8 @@ def restore_model(model: nn.Module) -> None:
     _compat.set_attention_implementation(model.config, saved.attn_implementation)
     if saved.use_cache is not None:
         model.config.use_cache = saved.use_cache
+    for sub, value in saved.sub_config_caches:
+        sub.use_cache = value
     for module in saved.marked_modules:
         module.__dict__.pop(CONTEXT_ATTRIBUTE, None)
     for module in saved.direct_sdpa_modules:

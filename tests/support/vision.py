@@ -135,7 +135,7 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return [collate([one]), collate([several]), collate([video]), collate(padded_pair)]
 
 
-def pack(samples: list[dict[str, Any]], family: str) -> dict[str, torch.Tensor]:
+def pack(samples: list[dict[str, Any]], family: str, inner: Optional[torch.nn.Module] = None) -> dict[str, torch.Tensor]:
     """One row packing ``samples`` the way a user packs for a Qwen-VL model on one device: ``position_ids`` ``[4, 1,
     S]`` (text positions restarting per sample, then each sample's M-RoPE rows from the model's own
     ``get_rope_index``), labels ``-100`` on each sample's first token (no sample predicts the next one's start), the
@@ -151,7 +151,7 @@ def pack(samples: list[dict[str, Any]], family: str) -> dict[str, torch.Tensor]:
     if family == "llava":
         batch["position_ids"] = text
         return batch
-    inner = build_model(family).model
+    inner = inner if inner is not None else build_model(family).model
     rope = [inner.get_rope_index(s["input_ids"][None], collate([s])["mm_token_type_ids"],
                                  image_grid_thw=s.get("image_grid_thw"), video_grid_thw=s.get("video_grid_thw"))[0]
             for s in samples]  # [3, 1, S_i] each
@@ -267,7 +267,7 @@ class VisionLanguageLM(LightningModule):
 def train_single_device(family: str, lr: float = 0.5, select: Optional[list[int]] = None,
                         support: Optional[str] = None) -> dict[str, Any]:
     """The reference: plain transformers on one process, the same batches in Lightning's order, SGD."""
-    import sys
+    import inspect
 
     from tests.support.models import lightning_order
 
@@ -276,7 +276,8 @@ def train_single_device(family: str, lr: float = 0.5, select: Optional[list[int]
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    chosen = (helpers.selected_batches(select, family, reference=True) if helpers is sys.modules[__name__]
+    takes_reference = "reference" in inspect.signature(helpers.selected_batches).parameters
+    chosen = (helpers.selected_batches(select, family, reference=True) if takes_reference
               else helpers.selected_batches(select, family))
     for batch in [chosen[i] for i in lightning_order(len(chosen), SEED)]:
         optimizer.zero_grad()

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tests.support.vision import (END, IMAGE, MERGE, PATCH, SEED, START, TEMPORAL, VIDEO, _image_processor, _text,
-                                  collate)
+                                  collate, pack)
 
 FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 FPS = 2.0  # the tiny videos' frame rate (their timestamps)
@@ -124,6 +124,27 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return [collate([one]), collate([several]), collate([video]), collate(padded_pair)]
 
 
-def selected_batches(select: Optional[list[int]] = None, family: str = "qwen3_vl") -> list[dict[str, torch.Tensor]]:
+def packed_batches(family: str, separate: bool = False) -> list[dict[str, torch.Tensor]]:
+    """(e) a row packing an image sample, a text-only sample and an image-and-video sample, with the ``[4, 1, S]``
+    positions a user gives one device (:func:`tests.support.vision.pack`); (f) two of them in the other order.
+    ``separate``: the same samples as right-padded rows, the reference (no sample attends to another)."""
+    rng = np.random.default_rng(19)
+    first = sample(rng, before=6, images=[(16, 24)], after=3)
+    second = {"input_ids": torch.from_numpy(rng.integers(0, 100, 9))}
+    third = sample(rng, before=2, images=[(8, 8)], video=(4, 16, 16), after=2)
+    if separate:
+        return [collate([first, second, third]), collate([third, first])]
+    inner = build_model(family).model
+    with torch.no_grad():
+        return [pack([first, second, third], family, inner), pack([third, first], family, inner)]
+
+
+def selected_batches(select: Optional[list[int]] = None, family: str = "qwen3_vl",
+                     reference: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Batches (a)-(d), or those ``select`` names: 4 and 5 are the packed rows (for the ``reference``: their samples
+    as separate rows)."""
     every = batches()
-    return every if select is None else [every[i] for i in select]
+    if select is None:
+        return every
+    every = every + (packed_batches(family, separate=reference) if any(i >= len(every) for i in select) else [])
+    return [every[i] for i in select]
