@@ -1,13 +1,17 @@
 """Per-rank peak training memory and vision-encoder time of a vision-language model under SP, at sp = 1, 2, 4.
 
 One long multimodal sample: a synthetic ``--frames``-frame video and an image between ``--text`` text tokens, a
-Qwen2.5-VL built from a config (``--hidden``, ``--layers``; vision tower ``--vision-hidden`` wide), SGD, ZeRO 2,
-``--steps`` steps. Each sp runs in fresh processes (``torchrun``). Memory as in ``benchmarks/sweep.py``: on CPU the
-growth of the process's peak RSS from just before the first step to the end, the largest over the ranks; the
-vision-encoder time is the forward time of the vision tower per rank and step (its backward is not separable).
+``--family`` model built from a config (``--hidden``, ``--layers``; vision tower ``--vision-hidden`` wide), SGD, ZeRO
+2, ``--steps`` steps. Families: Qwen2.5-VL (the video one run of placeholders) and Qwen3.5 (decoder layers of gated
+delta nets, every fourth one gated attention as in the released models; the video written per temporal patch as its
+processor does, ``<t seconds> <vision_start> placeholders <vision_end>``, a few more text tokens). Each sp runs in
+fresh processes (``torchrun``). Memory as in ``benchmarks/sweep.py``: on CPU the growth of the process's peak RSS
+from just before the first step to the end, the largest over the ranks; the vision-encoder time is the forward time
+of the vision tower per rank and step (its backward is not separable).
 
     python benchmarks/vlm_memory.py                     # CPU, sp = 1, 2, 4 (4 processes), a few minutes
     python benchmarks/vlm_memory.py --sp 1 2 --frames 32
+    python benchmarks/vlm_memory.py --family qwen3_5    # writes results/vlm_memory_qwen3_5.json
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 PATCH, MERGE, TEMPORAL = 4, 2, 2
 IMAGE, VIDEO, START, END = 1020, 1021, 1022, 1023  # text tokens are below 1000
+FPS = 2.0  # the synthetic video's frame rate (Qwen3.5's timestamps)
+FAMILIES = ("qwen2_5_vl", "qwen3_5")
 CPU_MMAP_THRESHOLD = "131072"  # a fixed glibc threshold: large tensors map and unmap (see sweep.py)
 
 
 def _args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--family", choices=FAMILIES, default="qwen2_5_vl")
     parser.add_argument("--frames", type=int, default=64)
     parser.add_argument("--frame-size", type=int, default=32, help="frame height and width in pixels")
     parser.add_argument("--text", type=int, default=6144, help="text tokens around the image and the video")
@@ -46,7 +53,7 @@ def _args(argv=None) -> argparse.Namespace:
 
 
 def _model(args):
-    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen3_5Config
 
     heads = max(4, args.hidden // 64)
     text = dict(vocab_size=1024, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
@@ -55,10 +62,38 @@ def _model(args):
                 rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 10000.0})
     vision = dict(depth=2, hidden_size=args.vision_hidden, num_heads=4, intermediate_size=2 * args.vision_hidden,
                   out_hidden_size=args.hidden, patch_size=PATCH, spatial_merge_size=MERGE,
-                  temporal_patch_size=TEMPORAL, in_channels=3, window_size=16, fullatt_block_indexes=[1])
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
-                              vision_start_token_id=START, vision_end_token_id=END)
+                  temporal_patch_size=TEMPORAL, in_channels=3)
+    tokens = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    if args.family == "qwen3_5":
+        head_dim = args.hidden // heads
+        # interleaved M-RoPE on a quarter of each head (the released models' partial rotary factor): head_dim / 8
+        # frequencies shared by time, height and width
+        frequencies = head_dim // 8
+        sections = [-(-frequencies // 3), -(-(frequencies - -(-frequencies // 3)) // 2)]
+        rope = {"rope_type": "default", "mrope_interleaved": True, "partial_rotary_factor": 0.25,
+                "mrope_section": sections + [frequencies - sum(sections)], "rope_theta": 10000.0}
+        mixers = dict(linear_num_key_heads=heads, linear_num_value_heads=2 * heads, linear_key_head_dim=head_dim,
+                      linear_value_head_dim=head_dim, linear_conv_kernel_dim=4)  # full attention every 4th layer
+        config = Qwen3_5Config(text_config=dict(text, head_dim=head_dim, rope_parameters=rope, **mixers),
+                               vision_config=dict(vision, num_position_embeddings=256), **tokens)
+    else:
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(vision, window_size=16,
+                                                                       fullatt_block_indexes=[1]), **tokens)
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
+
+
+def _video_ids(args, grid) -> list[int]:
+    """The video's tokens: one run of placeholders (Qwen2.5-VL), or per temporal patch ``<t seconds> <start>
+    placeholders <end>`` (Qwen3.5; the timestamp one text token per character, as there is no tokenizer)."""
+    patches, height, width = grid[0].tolist()
+    per_patch = height * width // MERGE ** 2
+    if args.family != "qwen3_5":
+        return [START] + [VIDEO] * (patches * per_patch) + [END]
+    ids = []
+    for patch in range(patches):
+        seconds = (patch * TEMPORAL + (TEMPORAL - 1) / 2) / FPS  # the mean time of the patch's frames
+        ids += [ord(c) for c in f"<{seconds:.1f} seconds>"] + [START] + [VIDEO] * per_patch + [END]
+    return ids
 
 
 def _sample(args, seed: int) -> dict:
@@ -74,8 +109,7 @@ def _sample(args, seed: int) -> dict:
     ids = torch.cat([
         torch.randint(0, 1000, (third,), generator=g), torch.tensor([START]),
         torch.full((int(image_grid.prod()) // MERGE ** 2,), IMAGE), torch.tensor([END]),
-        torch.randint(0, 1000, (third,), generator=g), torch.tensor([START]),
-        torch.full((int(video_grid.prod()) // MERGE ** 2,), VIDEO), torch.tensor([END]),
+        torch.randint(0, 1000, (third,), generator=g), torch.tensor(_video_ids(args, video_grid)),
         torch.randint(0, 1000, (args.text - 2 * third,), generator=g)])[None]
     types = torch.zeros_like(ids, dtype=torch.int32)
     types[ids == IMAGE], types[ids == VIDEO] = 1, 2
@@ -147,7 +181,7 @@ def run_one(args, sp: int) -> dict:
                str(29700 + sp), __file__, "--worker", "--sp-size", str(sp), "--result-dir", tmp,
                "--frames", str(args.frames), "--frame-size", str(args.frame_size), "--text", str(args.text),
                "--hidden", str(args.hidden), "--layers", str(args.layers), "--vision-hidden",
-               str(args.vision_hidden), "--steps", str(args.steps)]
+               str(args.vision_hidden), "--steps", str(args.steps), "--family", args.family]
         env = {"MALLOC_MMAP_THRESHOLD_": CPU_MMAP_THRESHOLD, **os.environ,
                "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // sp))}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -183,7 +217,7 @@ def main() -> None:
             print(f"sp={row['sp']}: memory {row['memory_vs_sp1']:.2f}x, vision time {row['vision_time_vs_sp1']:.2f}x"
                   " of sp=1")
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "vlm_memory.json"
+    out = RESULTS / ("vlm_memory.json" if args.family == "qwen2_5_vl" else f"vlm_memory_{args.family}.json")
     out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("worker", "result_dir")},
                                "rows": rows}, indent=2))
     print(f"written {out}")
