@@ -1,6 +1,7 @@
 """What a sequence-mixer family's recipe builds (:mod:`lightning_ulysses.models.mixer_families`): a
-:class:`HeadSlicing`, the description of how to narrow one module to the heads (or channels) of one SP rank, and the
-pieces recipes share (:func:`share`, :func:`span`, :class:`GatedNormAcrossRanks`). Applying a recipe is
+:class:`HeadSlicing`, the description of how to narrow one module to the heads (or channels) of one SP rank (with its
+:class:`Deferral`, the gate run after the exchange back), and the pieces recipes share (:func:`share`, :func:`span`,
+:class:`GatedNormAcrossRanks`). Applying a recipe is
 :mod:`lightning_ulysses.models.mixer_heads`; this module depends on neither, so the families and the code that runs
 them import it without importing each other.
 """
@@ -8,13 +9,39 @@ them import it without importing each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lightning_ulysses.parallel.exchange import all_reduce_sum
+
+
+@dataclass
+class Deferral:
+    """The part of a mixer between its per-head core and its output projection that runs on this rank's sequence
+    shard, after the exchange back, with every head: a gated norm or a gate whose gate is a projection of the mixer's
+    input, so the gate never travels (:mod:`lightning_ulysses.models.mixers`).
+
+    Attributes:
+        tail: ``tail(module, y, hidden)``: ``y`` ``[B, s, d]`` is what the module handed its output projection (every
+            head, the module's channel order, this rank's positions), ``hidden`` ``[B, s, H]`` this rank's input
+            shard; returns what the output projection gets on one device. Runs with the module's real submodules.
+        norm: the submodule the module calls on its per-head output (``norm(y)`` or ``norm(y, gate)``): inside the
+            module the call returns ``y`` (its gate must be a deferred placeholder), and what reaches the output
+            projection must be that ``y``.
+        gated_functions: functions of the module's modeling file -> the keyword of their gate (Mamba1's scan: ``z``,
+            ``out · silu(z)``): called with the gate dropped (it must be a deferred placeholder); what reaches the
+            output projection must be their output.
+        unit_gates: deferred projections the module applies as ``sigmoid(gate) · y``: their placeholder is ``+inf``,
+            so the module's own product is ``y`` exactly (checked).
+    """
+
+    tail: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    norm: Optional[str] = None
+    gated_functions: dict[str, str] = field(default_factory=dict)
+    unit_gates: tuple[str, ...] = ()
 
 
 @dataclass
@@ -36,6 +63,14 @@ class HeadSlicing:
         disabled_functions: functions of the module's modeling file that must not run while narrowed (fused kernels
             that would see only the narrowed part of a computation spanning the ranks): they return ``None``, which
             makes transformers take its unfused path.
+        inputs: the ``rows`` projections the module applies to its input (hidden states): under the exchange every
+            rank computes them for its sequence shard and sends each rank its rows (one all-to-all per layer).
+        deferred: of ``inputs``: positions within ``rows[name]`` (``None``: all) that only the :attr:`deferral`
+            reads: they are not exchanged, the module sees placeholders there.
+        deferral: the gate or gated norm run after the exchange back (:class:`Deferral`), or ``None``.
+        input_scale: an attribute holding a number the module multiplies its input by before projecting it
+            (Falcon-H1's ``ssm_in_multiplier``): the exchange projects the scaled shard, and inside the module the
+            product of the placeholder and that number is the placeholder.
     """
 
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -49,6 +84,10 @@ class HeadSlicing:
     children: dict[str, "HeadSlicing"] = field(default_factory=dict)
     disabled_functions: tuple[str, ...] = ()
     group: Any = None  # the SP group (for summed_columns)
+    inputs: tuple[str, ...] = ()
+    deferred: dict[str, Optional[torch.Tensor]] = field(default_factory=dict)
+    deferral: Optional[Deferral] = None
+    input_scale: Optional[str] = None
 
 
 def share(count: int, rank: int, size: int) -> tuple[int, int]:

@@ -14,9 +14,11 @@ expanded to one per query head so each rank holds the KV heads of its own query 
 the busiest rank instead of the 1.5/6 an even split would.
 
 The sequence mixers (:mod:`lightning_ulysses.models.mixers`, :mod:`lightning_ulysses.models.mixer_heads`) exchange
-differently: an all-gather of the sequence shards before the mixer, a reduce-scatter of the ranks' partial outputs
-after it (each the other's backward), and an all-reduce for the few projections every rank needs whole. Those are the
-functions at the end of this module, the only place they are written.
+their projected channels as attention does: one all-to-all of each rank's channels before the mixer's convolution and
+scan (:func:`sequence_to_channel_shards`), one of its per-head output after them (:func:`channel_to_sequence_shards`),
+and an all-reduce for the few small projections every rank needs whole. A mixer that cannot run that way falls back
+to an all-gather of the sequence shards before the mixer and a reduce-scatter of the ranks' partial outputs after it
+(each the other's backward). Those are the functions at the end of this module, the only place they are written.
 """
 
 from __future__ import annotations
@@ -247,3 +249,37 @@ class _AllReduceSum(torch.autograd.Function):
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``x`` summed over the group, differentiable (the gradient is summed over the group too)."""
     return _AllReduceSum.apply(x, group)
+
+
+# ------------------------------------------------------------------------------- sequence mixers: projected channels
+def sequence_to_channel_shards(send: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """A mixer's projected channels from sequence shards to channel shards (differentiable; backward: the reverse).
+
+    Args:
+        send: ``[B, s, C]`` this rank's sequence shard of the channels every rank needs, grouped by destination:
+            channels ``[sum(counts[:j]), sum(counts[:j + 1]))`` go to rank ``j`` (a channel several ranks need is in
+            several groups).
+        counts: channels per destination rank (``sum(counts) == C``).
+
+    Returns:
+        ``[B, S, counts[rank]]``: this rank's channels over the whole sequence (rank ``j``'s shard at
+        ``[j·s, (j + 1)·s)``).
+    """
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    B, s, C = send.shape
+    n = counts[rank]
+    rows = send.permute(2, 0, 1)  # [C, B, s]: channel-major, destination groups in rank order
+    received = all_to_all(rows, list(counts), [n] * sp, group)  # [sp(src = seq chunk) · n, B, s]
+    return received.view(sp, n, B, s).permute(2, 0, 3, 1).reshape(B, sp * s, n)  # [B, S, n]
+
+
+def channel_to_sequence_shards(held: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """The reverse of :func:`sequence_to_channel_shards`: ``[B, S, counts[rank]]`` (this rank's channels over the
+    whole sequence) -> ``[B, s, sum(counts)]``, this rank's sequence shard of every rank's channels in rank order
+    (differentiable; backward: the forward exchange)."""
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    B, S, n = held.shape
+    s = S // sp
+    send = held.view(B, sp, s, n).permute(1, 3, 0, 2)  # [sp(dest = seq chunk), n, B, s]
+    received = all_to_all(send.reshape(sp * n, B, s), [n] * sp, list(counts), group)  # [sum(counts), B, s]
+    return received.permute(1, 2, 0)  # [B, s, sum(counts)] (a view: channel-major underneath)

@@ -26,4 +26,4 @@ def short_convolution_slicing(module: nn.Module, rank: int, size: int, group: An
     first, each = share(width, rank, size)
     channels = torch.arange(first, first + each)
     return HeadSlicing(rows={"in_proj": torch.cat([channels, width + channels, 2 * width + channels])},
-                       channels={"conv": channels}, columns={"out_proj": channels})
+                       channels={"conv": channels}, columns={"out_proj": channels}, inputs=("in_proj",))
