@@ -141,8 +141,13 @@ def tolerance(dtype: torch.dtype) -> float:
 
 
 def relative_difference(whole: torch.Tensor, shard: torch.Tensor) -> float:
-    scale = whole.abs().max().clamp_min(1e-6)
-    return float(((whole.float() - shard.float()).abs().max() / scale.float()).item())
+    """The largest difference relative to the whole run's largest value; a NaN of one run where the other has a
+    number counts as infinite (``max`` would propagate it and ``NaN > tolerance`` is false)."""
+    whole, shard = whole.float(), shard.float()
+    scale = whole.nan_to_num(nan=0.0).abs().max().clamp_min(1e-6)
+    difference = (whole - shard).abs().nan_to_num(nan=float("inf"))
+    difference = difference.masked_fill(whole.isnan() & shard.isnan(), 0.0)
+    return float((difference.max() / scale).item())
 
 
 def _sequence_dim(whole: torch.Tensor, shard: torch.Tensor, length: int, n: int) -> Optional[int]:
