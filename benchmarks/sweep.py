@@ -5,6 +5,7 @@ sequence under a per-rank memory budget. Writes ``benchmarks/out/sweep.csv``, ``
     python benchmarks/sweep.py                       # CPU defaults: S = 2K, 4K, 8K; sp=1 on to 32K while it fits
     python benchmarks/sweep.py --lengths 8192 16384 32768 --hidden 2048 --layers 16 --sp 1 2 4 8   # on GPUs
     python benchmarks/sweep.py --arch qwen3_5 --configs plain --lengths 2048 4096 --search-sp 0   # a hybrid model
+    python benchmarks/sweep.py --arch qwen3_5 --configs plain --lengths 4096 --sp 1 2 4 --search-sp 0 --max-length 0
 
 Each configuration runs in fresh processes (``torchrun``), so a peak is never inherited from the previous one.
 Memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the growth of the process's peak RSS from just before the
@@ -275,7 +276,8 @@ def main() -> None:
     parser.add_argument("--search-sp", type=int, nargs="+", default=[1],
                         help="sp sizes whose configurations the budget search extends past the grid")
     parser.add_argument("--arch", choices=["llama", "qwen3_5"], default="llama",
-                        help="llama: full attention; qwen3_5: a hybrid of 3 gated-delta-net layers to 1 attention layer")
+                        help="llama: full attention; qwen3_5: a hybrid of 3 gated-delta-net layers to 1 attention layer"
+                             " (its mixers exchange projected channels: tests/test_mixer_exchange.py imports _model)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
