@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.launcher import launch
-from tests.support.vision import train_single_device
+from tests.support.vision import assert_trains_as_single_device, train_single_device
 from tests.test_parity import rel_diff, update_rel_diff
 
 RUNS = [("qwen2_vl", 2), ("qwen2_5_vl", 2), ("qwen2_vl", 3), ("qwen2_5_vl", 3), ("llava", 2), ("llava", 3)]
@@ -43,18 +43,9 @@ def test_vision_language_training_matches_single_device(request, references, sp,
     from tests.support.vision import build_model
 
     trained = request.getfixturevalue("trained" if sp == 2 else "trained_sp4")
-    reference = references[family]
-    for rank in trained:
-        result = rank[f"{family}-zero{stage}"]
-        assert rel_diff(result["losses"], reference["losses"]) <= 1e-5, (result["losses"], reference["losses"])
-        assert result["vision_attention"] == "sdpa"  # given back after fit
-    weights = trained[0][f"{family}-zero{stage}"]["weights"]
-    initial = dict(build_model(family).named_parameters())
     prefix = "model.vision_tower" if family == "llava" else "model.visual"
-    assert any(name.startswith(prefix) for name in weights)
-    assert update_rel_diff(weights, reference["weights"], initial) <= 1e-4
-    vision = {k: v for k, v in weights.items() if k.startswith(prefix)}
-    assert update_rel_diff(vision, {k: reference["weights"][k] for k in vision}, initial) <= 1e-4
+    assert_trains_as_single_device(trained, references[family], f"{family}-zero{stage}",
+                                   dict(build_model(family).named_parameters()), (prefix,))
 
 
 @pytest.mark.parametrize("family, stage", RUNS_PACKED, ids=[f"{f}-zero{s}" for f, s in RUNS_PACKED])
@@ -147,7 +138,7 @@ def test_images_for_an_unsupported_family_are_refused_with_the_supported_list():
     model = SimpleNamespace(config=SimpleNamespace(model_type="fuyu", vision_config=object()))
     supported = sorted(vision_language.SUPPORTED_FAMILIES)
     assert {"llava", "qwen2_5_vl", "qwen2_vl"} <= set(supported) and "fuyu" not in supported
-    with pytest.raises(ValueError, match=re.escape(f"('fuyu')") + ".*" + re.escape(str(supported))):
+    with pytest.raises(ValueError, match=re.escape("('fuyu')") + ".*" + re.escape(str(supported))):
         vision_language.complete_call(model, named, info, context)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.launcher import launch
-from tests.support.vision import train_single_device
+from tests.support.vision import assert_trains_as_single_device, train_single_device
 from tests.test_parity import rel_diff, update_rel_diff
 
 SUPPORT = "tests.support.vision_qwen3"
@@ -34,15 +34,8 @@ def test_training_matches_single_device(trained, references, family, stage):
     from tests.support.vision_qwen3 import build_model
 
     reference = references[family]
-    for rank in trained:
-        result = rank[f"{family}-zero{stage}"]
-        assert rel_diff(result["losses"], reference["losses"]) <= 1e-5, (result["losses"], reference["losses"])
-        assert result["vision_attention"] == "sdpa"  # given back after fit
-    weights = trained[0][f"{family}-zero{stage}"]["weights"]
     initial = dict(build_model(family).named_parameters())
-    assert update_rel_diff(weights, reference["weights"], initial) <= 1e-4
-    vision = {k: v for k, v in weights.items() if k.startswith("model.visual")}
-    assert vision and update_rel_diff(vision, {k: reference["weights"][k] for k in vision}, initial) <= 1e-4
+    vision = assert_trains_as_single_device(trained, reference, f"{family}-zero{stage}", initial, ("model.visual",))
     if family.startswith("qwen3_vl"):  # the deepstack mergers learn as on one device
         deepstack = {k: v for k, v in vision.items() if "deepstack_merger_list" in k}
         reference_deepstack = {k: reference["weights"][k] for k in deepstack}

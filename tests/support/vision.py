@@ -309,3 +309,24 @@ def train_data_parallel_reference(family: str, select: list[int], replicas: int,
         optimizer.step()
         losses.append(loss.item())
     return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()}}
+
+
+def assert_trains_as_single_device(trained: list[dict], reference: dict[str, Any], key: str,
+                                   initial: dict[str, torch.Tensor], vision_prefixes: tuple[str, ...]
+                                   ) -> dict[str, torch.Tensor]:
+    """The parity bar of every vision-language family: each rank's losses within 1e-5 of the single-device run's, the
+    vision tower's attention implementation given back after fit, and rank 0's weights' updates within 1e-4 of the
+    reference's, the vision parameters (names starting with ``vision_prefixes``) on their own too. Returns rank 0's
+    vision parameters, for a family's own further checks."""
+    from tests.test_parity import rel_diff, update_rel_diff
+
+    for rank in trained:
+        result = rank[key]
+        assert rel_diff(result["losses"], reference["losses"]) <= 1e-5, (result["losses"], reference["losses"])
+        assert result["vision_attention"] == "sdpa"  # given back after fit
+    weights = trained[0][key]["weights"]
+    assert update_rel_diff(weights, reference["weights"], initial) <= 1e-4
+    vision = {k: v for k, v in weights.items() if k.startswith(vision_prefixes)}
+    assert vision, f"no parameter named {vision_prefixes}"
+    assert update_rel_diff(vision, {k: reference["weights"][k] for k in vision}, initial) <= 1e-4
+    return vision
