@@ -46,7 +46,7 @@ from torch import nn
 from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.models import vision_families
-from lightning_ulysses.models.multimodal_positions import shard_columns
+from lightning_ulysses.models.multimodal_positions import multimodal_call_positions
 from lightning_ulysses.models.vision_families import Modality, VisionFamily
 from lightning_ulysses.parallel.exchange import all_to_all
 from lightning_ulysses.parallel.geometry import SequenceGeometry
@@ -108,8 +108,8 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
         positions_given = "position_ids" in shard.multimodal  # given positions are kept, as on one device
         if family.rope_index_keys is not None and not positions_given:
             text_positions = named["position_ids"]  # [B, s] global 1-D positions of the shard
-            named["position_ids"] = torch.cat([text_positions[None], _shard_rope_positions(
-                inner, family, named, shard, rows, text_positions.device)])  # [4, B, s]
+            whole = _rope_positions(inner, family, named, shard, text_positions.device)  # [3, B, S]
+            named["position_ids"] = multimodal_call_positions(text_positions, whole, shard, rows)  # [4, B, s]
     encoded = dict(named.get("mm_encoder_outputs") or {})
     for modality, runs in zip(modalities, running):
         if not runs:
@@ -143,9 +143,9 @@ def _base_model(model: nn.Module) -> nn.Module:
     return inner
 
 
-def _shard_rope_positions(inner: nn.Module, family: VisionFamily, named: dict[str, Any], shard: ShardInfo, rows: int,
-                          device: torch.device) -> torch.Tensor:
-    """``[3, rows, s]``: the model's multimodal positions of the whole batch, this shard's columns."""
+def _rope_positions(inner: nn.Module, family: VisionFamily, named: dict[str, Any], shard: ShardInfo,
+                    device: torch.device) -> torch.Tensor:
+    """``[3, B, S]``: the model's multimodal positions of the whole batch, as one device computes them."""
     multimodal = shard.multimodal
     ids = multimodal["input_ids"]  # [B, S] the whole batch's tokens
     token_types = multimodal.get("mm_token_type_ids")
@@ -158,7 +158,7 @@ def _shard_rope_positions(inner: nn.Module, family: VisionFamily, named: dict[st
                                         image_grid_thw=named.get("image_grid_thw"),
                                         video_grid_thw=named.get("video_grid_thw"),
                                         attention_mask=_mask_or_none(multimodal, device), **extra)  # [3, B, S]
-    return shard_columns(whole, shard, rows, device)  # [3, rows, s]
+    return whole
 
 
 def _mask_or_none(multimodal: dict[str, torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
