@@ -16,8 +16,9 @@ heap and the peak RSS measures fragmentation, not tensors (single process, 8K to
 the dynamic threshold, 868 MiB with the fixed one; plain: 5158 vs 4877 MiB). CUDA's caching allocator is unaffected.
 
 After the grid of ``--lengths``, each configuration with an sp in ``--search-sp`` (default: sp=1, to keep the CPU run
-under 20 minutes) whose longest length fits the budget is run at twice that length (up to ``--max-length``) while a linear projection from its last two points stays under the budget, so the
-"longest trainable sequence" is measured, not extrapolated. Configurations ("plain sp=1" is the baseline: on CPU Lightning's stock DeepSpeedStrategy refuses to run,
+under 20 minutes) whose longest length fits the budget is run at twice that length (up to ``--max-length``) while a linear projection from its last two points stays under the budget,
+then once at the length where that projection reaches 97% of the budget (``refined_search_length``), so the
+"longest trainable sequence" is measured, not extrapolated, and not quantised to powers of two. Configurations ("plain sp=1" is the baseline: on CPU Lightning's stock DeepSpeedStrategy refuses to run,
 so it is this strategy with sp_size=1 and every switch off):
 
 * ``plain``: strategy, all memory switches off;  ``alst``: ``tiled_mlp="auto", tiled_loss="auto",
@@ -237,6 +238,23 @@ def next_search_length(rows: list[dict], config: str, sp: int, args) -> int | No
     return target if target <= args.max_length and projected <= args.budget_mib else None
 
 
+def refined_search_length(rows: list[dict], config: str, sp: int, args) -> int | None:
+    """After the doubling stopped: the length at which the line through the last two measured points reaches 97% of
+    the budget (rounded down to a multiple of 1024), if it lies at least 1024 past the longest length that fitted;
+    else ``None``. Measured like every other point, so the longest trainable sequence is not quantised to powers of
+    two."""
+    points = sorted((r["seq_len"], r["peak_mib_per_rank"]) for r in rows if (r["config"], r["sp"]) == (config, sp))
+    fitting = [p for p in points if p[1] <= args.budget_mib]
+    if len(fitting) < 2:
+        return None
+    (n1, m1), (n2, m2) = fitting[-2:]
+    if m2 <= m1:
+        return None
+    target = int((n2 + (0.97 * args.budget_mib - m2) / (m2 - m1) * (n2 - n1)) // 1024 * 1024)
+    measured = {n for n, _ in points}
+    return target if target >= n2 + 1024 and target <= args.max_length and target not in measured else None
+
+
 def _model_flags(args) -> list[str]:
     return ["--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
             "--vocab", str(args.vocab), "--steps", str(args.steps), "--bucket", str(args.bucket), "--arch", args.arch]
@@ -326,6 +344,8 @@ def main() -> None:
         while (seq_len := next_search_length(rows, config, sp, args)) is not None:
             if not _measure(args, rows, base, sp, seq_len, start, int(ring or 1)):
                 break
+        if (seq_len := refined_search_length(rows, config, sp, args)) is not None:
+            _measure(args, rows, base, sp, seq_len, start, int(ring or 1))
     if args.repeat > 1:
         _write_csv(runs, OUT / "sweep_runs.csv")
     _write_csv(rows, OUT / "sweep.csv")
@@ -376,10 +396,11 @@ def summary(rows: list[dict], args) -> str:
             cells.append(f"{row['peak_mib_per_rank']:.0f} ({row['tokens_per_s']:.0f})" if row else "—")
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
     lines.append("")
-    base = longest_under_budget(rows, "plain", 1, args.budget_mib)
     for config, sp in sorted({(r["config"], r["sp"]) for r in rows}):
         longest = longest_under_budget(rows, config, sp, args.budget_mib)
-        ratio = f" ({longest / base:.1f}× plain sp=1)" if base else ""
+        base_config = config if longest_under_budget(rows, "plain", 1, args.budget_mib) == 0 else "plain"
+        base = longest_under_budget(rows, base_config, 1, args.budget_mib)
+        ratio = f" ({longest / base:.2f}× {base_config} sp=1)" if base else ""
         lines.append(f"longest measured sequence under {args.budget_mib:.0f} MiB/rank: {config} sp={sp}: {longest}{ratio}")
     by = {(r["config"], r["sp"], r["seq_len"]): r for r in rows}
     for (config, sp, n), r in sorted(by.items()):

@@ -95,14 +95,15 @@ def _deepspeed_args(strategy: Any) -> argparse.Namespace:
 
 
 def initialize_training_engine(strategy: Any, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any,
-                               mpu: Any) -> tuple[Any, Any]:
-    """The body of Lightning's ``DeepSpeedStrategy._setup_model_and_optimizer`` with ``mpu`` added (DeepSpeed then
-    takes the data-parallel world for its batch arithmetic and reduces gradients over DP×SP) and the device rank
-    fixed for CPU."""
+                               mpu: Any) -> tuple[Any, Any, Any]:
+    """The body of Lightning's ``DeepSpeedStrategy._setup_model_and_optimizer`` (and of Fabric's
+    ``DeepSpeedStrategy._initialize_engine``, the same call) with ``mpu`` added (DeepSpeed then takes the
+    data-parallel world for its batch arithmetic and reduces gradients over DP×SP) and the device rank fixed for CPU.
+    Returns the engine, its optimizer and its scheduler."""
     import deepspeed
 
     model_parameters = filter(lambda p: p.requires_grad, model.parameters())
-    engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+    engine, deepspeed_optimizer, _, deepspeed_scheduler = deepspeed.initialize(
         args=_deepspeed_args(strategy),
         config=strategy.config,
         model=model,
@@ -112,7 +113,15 @@ def initialize_training_engine(strategy: Any, model: torch.nn.Module, optimizer:
         dist_init_required=False,
         mpu=mpu,
     )
-    return engine, deepspeed_optimizer
+    return engine, deepspeed_optimizer, deepspeed_scheduler
+
+
+def format_fabric_deepspeed_config(strategy: Any) -> None:
+    """The end of Fabric's ``DeepSpeedStrategy._setup_distributed`` (its CUDA device-index check left out, which CPU
+    devices without an index fail): the DeepSpeed config completed once (micro-batch size, precision)."""
+    if not strategy._config_initialized:
+        strategy._format_config()
+        strategy._config_initialized = True
 
 
 def initialize_inference_engine(strategy: Any, model: torch.nn.Module, mpu: Any,

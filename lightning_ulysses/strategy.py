@@ -25,36 +25,24 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
-from lightning_ulysses import _compat
+from lightning_ulysses import _compat, front_end
 from lightning_ulysses.checkpoint import saving
-from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.data.setup import prepare_dataloader
 from lightning_ulysses.data.sharding import automatic_batching_off_error
-from lightning_ulysses.models import building, memory
-from lightning_ulysses.models.preparation import PreparedModels
+from lightning_ulysses.front_end import SequenceParallelFrontEnd
+from lightning_ulysses.models import memory
+from lightning_ulysses.models.refusals import refuse_tuning_callbacks
 from lightning_ulysses.parallel.attention import ModuleSelector
-from lightning_ulysses.parallel.geometry import SequenceGeometry
-from lightning_ulysses.parallel.layout import (
-    SequenceParallelLayout,
-    node_spanning_warning,
-    sp_groups_span_nodes,
-    validate_ring_size,
-    validate_sp_size,
-)
-from lightning_ulysses.patches import PatchStack
-from lightning_ulysses.training.agreement import SPAgreement
-from lightning_ulysses.training.gradient_factor import GradientFactors, verify_deepspeed_divisor
-from lightning_ulysses.training.step_context import StepContext
-from lightning_ulysses.training.step_runner import StepRunner
+from lightning_ulysses.parallel.layout import SequenceParallelLayout
+from lightning_ulysses.training.gradient_factor import verify_deepspeed_divisor
 
 
-class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
+class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
     """DeepSpeed ZeRO training with Ulysses sequence parallelism (DeepSpeed Ulysses / ALST) for long sequences.
 
     Each sequence is split across ``sp_size`` ranks: every rank holds ``S / sp_size`` tokens with all heads, and
@@ -144,95 +132,29 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if sp_size is not None:
-            validate_sp_size(sp_size, sp_size)  # type and sign; the world size is checked once it is known
-        validate_ring_size(ring_size, sp_size if sp_size is not None else ring_size)  # divisibility once known
-        self.ring_size = ring_size
-        self._requested_sp_size = sp_size
-        self.sdpa_per_document = sdpa_per_document
+        self._init_sequence_parallel(sp_size, ring_size, sdpa_per_document, attention_modules,
+                                     memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints),
+                                     check_sp_agreement, verify_checkpoints, check_model_form)
         self.gather_predictions = gather_predictions
-        self.attention_modules = list(attention_modules or [])
-        self.memory_features = memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints)
-        self.check_sp_agreement = check_sp_agreement
-        self.verify_checkpoints = verify_checkpoints
-        self.check_model_form = check_model_form
-        self._layout: Optional[SequenceParallelLayout] = None
-        self._runner: Optional[StepRunner] = None  # per stage: from setup_environment to teardown
-        self._models = PreparedModels()
-        self._patches = PatchStack()  # every change to the user's objects and to other libraries, closed in teardown
-        self._form_checks_before = 0  # model-form checks of the stages before the current one
-
-    # ----------------------------------------------------------------------------------------------- layout
-    @property
-    def sp_size(self) -> int:
-        """Ranks per SP group (resolved from the devices per node if ``sp_size=None`` was given)."""
-        if self._requested_sp_size is not None:
-            return self._requested_sp_size
-        return self.num_processes
-
-    @property
-    def layout(self) -> SequenceParallelLayout:
-        """The DP×SP layout (mesh, groups, ranks); exists once the process group is set up."""
-        if self._layout is None:
-            raise RuntimeError("The sequence-parallel layout exists only after the Trainer has set up the processes.")
-        return self._layout
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The ``("dp", "ring", "ulysses")`` device mesh (the flattened ``"sp"`` mesh: ``layout.sp_mesh``)."""
-        return self.layout.mesh
-
-    @property
-    def sp_group(self) -> torch.distributed.ProcessGroup:
-        return self.layout.sp_group
-
-    @property
-    def sp_rank(self) -> int:
-        return self.layout.sp_rank
-
-    @property
-    def dp_rank(self) -> int:
-        return self.layout.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp_size
 
     @override
     def setup_environment(self) -> None:
-        validate_sp_size(self.sp_size, self.num_nodes * self.num_processes)
-        validate_ring_size(self.ring_size, self.sp_size)
-        ulysses = SequenceGeometry(self.sp_size, self.ring_size).ulysses_size  # all-to-all group; ring may cross nodes
-        if sp_groups_span_nodes(ulysses, self.num_processes, self.num_nodes):
-            rank_zero_warn(node_spanning_warning(ulysses, self.num_processes, self.num_nodes, self.ring_size))
+        spanning = front_end.check_world(self.sp_size, self.ring_size, self.num_nodes, self.num_processes)
+        if spanning is not None:
+            rank_zero_warn(spanning)
         if isinstance(self.accelerator, CPUAccelerator):
-            use_deepspeed_cpu_accelerator()
+            front_end.use_deepspeed_cpu_accelerator()
         # Lightning's DeepSpeedStrategy refuses anything but CUDA; the DDP setup underneath works for CPU/gloo too.
         DDPStrategy.setup_environment(self)
         if self._layout is None:
             self._layout = SequenceParallelLayout.build(self.root_device.type, self.sp_size, self.ring_size)
         if self._runner is None:
-            self._runner = self._new_runner(self._layout)
+            self._runner = front_end.new_step_runner(
+                self._layout, self._models, self.root_device, ring_size=self.ring_size,
+                sdpa_per_document=self.sdpa_per_document, check_sp_agreement=self.check_sp_agreement,
+                gather_predictions=self.gather_predictions, check_model_form=self.check_model_form)
         if self.lightning_module is not None:
             _compat.set_device_mesh(self.lightning_module, self._layout.mesh)
-
-    def _new_runner(self, layout: SequenceParallelLayout) -> StepRunner:
-        """The step runner of one stage, with the gradient factors of the DeepSpeed config as it is now (completed
-        in :meth:`init_deepspeed`, once Lightning has filled in the batch settings)."""
-        context = StepContext(sp_group=layout.sp_group, ulysses_group=layout.ulysses_group,
-                              ring_group=layout.ring_group, ring_size=self.ring_size,
-                              sdpa_per_document=self.sdpa_per_document, incoming_gradients=[],
-                              gradients=GradientFactors(layout.dp_size, layout.sp_size))
-        agreement = (SPAgreement(layout.sp_group, layout.sp_group_ranks(), self.root_device)
-                     if self.check_sp_agreement and layout.sp_size > 1 else None)
-        return StepRunner(layout, context, self._models, agreement, self.root_device, agree_on_tile_counts=False,
-                          gather_predictions=self.gather_predictions, check_model_form=self.check_model_form)
-
-    @property
-    def runner(self) -> StepRunner:
-        if self._runner is None:
-            raise RuntimeError("The step context exists once the Trainer has set up the strategy.")
-        return self._runner
 
     @override
     def setup_distributed(self) -> None:
@@ -260,13 +182,8 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         ``configure_model``, with transformers told that ZeRO-3 is active while the block runs, so that
         ``from_pretrained`` / ``from_config`` there load and initialise partitioned weights correctly, and with
         ``torch.nn.init`` working on partitioned parameters (PEFT initialises LoRA layers after building them)."""
-        with super().model_sharded_context():
-            if self.zero_stage_3:
-                assert isinstance(self.config, dict)
-                with building.transformers_zero3_aware(self.config), building.partition_aware_init():
-                    yield
-            else:
-                yield
+        with super().model_sharded_context(), front_end.zero3_model_building(self.config, self.zero_stage_3):
+            yield
 
     @override
     def init_deepspeed(self) -> None:
@@ -274,11 +191,12 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         DeepSpeed averages gradients the way the strategy's gradient factors assume."""
         assert self.lightning_module is not None and isinstance(self.config, dict)
         runner = self.runner
+        # Lightning divides the loss by the accumulation count, and DeepSpeed once more.
         accumulation = int(self.config.get("gradient_accumulation_steps", 1))
-        runner.context.gradients = GradientFactors.for_config(self.config, self.sp_size, self.dp_size, accumulation)
-        runner.context.zero_stage_3 = self.zero_stage_3
-        runner.agree_on_tile_counts = self.memory_features.auto and self.zero_stage_3 and self.dp_size > 1
+        front_end.complete_gradient_factors(runner, self.config, self.layout, accumulation, self.zero_stage_3,
+                                            tiles_follow_length=self.memory_features.auto)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        refuse_tuning_callbacks(self.lightning_module.trainer.callbacks)
         self._models.prepare(self.lightning_module, runner.context, self._patches,
                              attention_modules=self.attention_modules, ring_size=self.ring_size,
                              device_type=self.root_device.type, memory_features=self.memory_features,
@@ -296,7 +214,9 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         optimizer: Optional[Optimizer],
         lr_scheduler: Optional[Union[LRScheduler, ReduceLROnPlateau]] = None,
     ) -> tuple[Any, Optimizer]:
-        return _compat.initialize_training_engine(self, model, optimizer, lr_scheduler, self.layout.deepspeed_mpu())
+        engine, deepspeed_optimizer, _ = _compat.initialize_training_engine(self, model, optimizer, lr_scheduler,
+                                                                           self.layout.deepspeed_mpu())
+        return engine, deepspeed_optimizer
 
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
@@ -398,14 +318,18 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         if storage_options is not None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # raises Lightning's TypeError
         saving.save(self, checkpoint, filepath,
-                           lambda content, path: super(UlyssesDeepSpeedStrategy, self).save_checkpoint(content, path))
+                    lambda content, path: super(UlyssesDeepSpeedStrategy, self).save_checkpoint(content, path),
+                    module=self.lightning_module, trainer=_compat.attached_trainer(self.lightning_module))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A checkpoint validated first (complete, intact, a loadable layout), loaded by DeepSpeed on the same layout
         or re-partitioned on another number of ranks or ZeRO stage (:mod:`lightning_ulysses.checkpoint.resharding`)."""
+        trainer = _compat.attached_trainer(self.lightning_module)
+        resuming = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
         return saving.load(self, checkpoint_path, lambda: super(UlyssesDeepSpeedStrategy, self).load_checkpoint(
-            checkpoint_path, weights_only))
+            checkpoint_path, weights_only), resuming=resuming, strict=strict)
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
@@ -428,97 +352,3 @@ class UlyssesDeepSpeedStrategy(DeepSpeedStrategy):
         for name, (description, init_params) in names.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, **init_params)
-
-    # ----------------------------------------------------------------------------------------------- step API
-    @property
-    def step_context(self) -> StepContext:
-        """What the prepared models' attention and loss read during the current step."""
-        return self.runner.context
-
-    @property
-    def current_shard_info(self) -> Optional[ShardInfo]:
-        """Facts about the full batch of the current step (length before padding, packed documents)."""
-        return self._runner.context.shard_info if self._runner is not None else None
-
-    @property
-    def prepared_models(self) -> list[Module]:
-        """The Hugging Face models the strategy switched to Ulysses attention (during fit/validate/test/predict)."""
-        return list(self._models.hf_models)
-
-    @property
-    def form_checks_run(self) -> int:
-        """Model-form checks this strategy ran and passed (one per Trainer stage with ``check_model_form``)."""
-        return self._form_checks_before + (self._runner.form_checks_run if self._runner is not None else 0)
-
-    def shard_positions(self, shard_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
-        """Global positions ``[shard_len]`` of this rank's sequence shard (for rotary/absolute position embeddings
-        of your own model; batches from the strategy's loaders also carry them as ``position_ids``). With
-        ``ring_size > 1`` the shard is the zigzag pieces
-        :class:`~lightning_ulysses.parallel.geometry.SequenceGeometry` places on this rank."""
-        return self.runner.shard_positions(shard_len, device)
-
-    def token_losses(self) -> torch.Tensor:
-        """Per-token cross-entropy ``[B, s]`` of this rank's shard from the last forward pass of a prepared model
-        run without gradients (``validation_step``/``test_step``/``predict_step``), fp32, 0 where there is no
-        target. Works with ``tiled_loss`` (no full logits). Pair it with the batch's ``position_ids`` and
-        ``shift_labels`` (e.g. :class:`lightning_ulysses.PositionalLoss`)."""
-        return self.runner.token_stats()[0]
-
-    def token_correct(self) -> torch.Tensor:
-        """``[B, s]`` bool: whether the argmax of each position's logits is its target (see :meth:`token_losses`)."""
-        return self.runner.token_stats()[1]
-
-    def evaluate_full_batch(self, model: Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run a prepared model on a FULL batch (``input_ids`` ``[B, S]``, ``labels``; the same on every rank of the
-        SP group) outside the Trainer's loops, e.g. from a callback: the batch is cut into this rank's shard, the
-        model runs sequence-parallel without gradients, and this rank's shard statistics come back:
-        ``{"loss": [B, s], "correct": [B, s], "shift_labels": [B, s], "position_ids": [B, s]}``. Every rank of the
-        world must call it the same number of times (the loss reduces over all ranks)."""
-        return self.runner.evaluate_full_batch(model, batch, self._models.pad_token_id())
-
-    def cross_entropy(self, logits: torch.Tensor, shift_labels: torch.Tensor,
-                      weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Mean next-token cross-entropy over the batch's target tokens from this rank's ``[B, s, V]`` logits and
-        ``[B, s]`` ``shift_labels``, for a ``training_step`` that computes its own loss. Same value on every rank,
-        the single-device value; exact gradients at every ZeRO stage and with gradient accumulation.
-
-        ``weight``: ``[B]`` per-sample or ``[B, s]`` per-target weights (aligned with ``shift_labels``; for weights
-        given per input token use :meth:`next_token_values`): the loss is then ``sum(w · ce) / sum(w)`` over the
-        target tokens of the whole batch, as ``(ce * w).sum() / w.sum()`` on one device."""
-        return self.runner.cross_entropy(logits, shift_labels, weight)
-
-    def token_mean(self, values: torch.Tensor, weights: Optional[torch.Tensor] = None,
-                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Weighted mean of per-token ``values`` ``[B, s]`` over the whole batch (every rank's shard): the value a
-        single device computes as ``(values * w).sum() / w.sum()`` on the full batch, the same number on every rank,
-        with exact gradients. Use it for every per-token term of a loss (auxiliary losses on logits or hidden states,
-        weighted token losses): a mean over this rank's shard would be a different function on every rank.
-
-        Args:
-            values: ``[B, s]`` per-token values of this rank's shard (e.g. ``F.cross_entropy(..., reduction="none")``
-                against ``batch["shift_labels"]``, or ``logits.logsumexp(-1) ** 2``).
-            weights: ``[B]`` per-sample or ``[B, s]`` per-token weights; ``None``: 1.
-            mask: ``[B, s]`` which positions count; ``None``: the step's target tokens (``shift_labels != -100``),
-                or, if the batch has no labels, its real tokens (no padding).
-
-        With gradient accumulation the mean is taken per micro-batch, and the micro-batches are averaged as Lightning
-        averages them on one device."""
-        return self.runner.token_mean(values, weights, mask)
-
-    def next_token_values(self, values: torch.Tensor, fill: Any = 0) -> torch.Tensor:
-        """``[B, s, ...]`` -> ``[B, s, ...]``: at every position of this rank's shard, the value at the next position of
-        the full sequence (``fill`` after the last one), across shard boundaries: what ``values[:, 1:]`` is on one
-        device. For per-token tensors of the batch that must line up with the targets, e.g. token weights:
-        ``strategy.cross_entropy(logits, batch["shift_labels"], weight=strategy.next_token_values(batch["w"]))``.
-        One all-gather of ``[B, 1 or 2, ...]`` over the SP group; every SP rank must call it."""
-        return self.runner.next_token_values(values, fill)
-
-
-def use_deepspeed_cpu_accelerator() -> None:
-    """Make DeepSpeed run on CPU when Lightning does, even on a machine whose CUDA DeepSpeed would pick."""
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        set_accelerator(CPU_Accelerator())

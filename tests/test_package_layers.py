@@ -18,7 +18,8 @@ LAYERS = [
     {"training"},
     {"models"},
     {"checkpoint", "evaluation"},
-    {"strategy", "__init__"},
+    {"front_end"},
+    {"strategy", "fabric", "__init__"},
 ]
 
 

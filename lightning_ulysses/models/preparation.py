@@ -50,10 +50,9 @@ class PreparedModels:
     def prepare(self, lightning_module: Module, context: StepContext, patches: PatchStack, *,
                 attention_modules: Sequence[ModuleSelector], ring_size: int, device_type: str,
                 memory_features: memory.MemoryFeatures, fitting: bool) -> None:
-        """Validate and switch every model of ``lightning_module`` to its sequence-parallel form (before any
-        compute); every change goes into ``patches``."""
+        """Validate and switch every model of ``lightning_module`` (a LightningModule, or the module Fabric sets
+        up) to its sequence-parallel form (before any compute); every change goes into ``patches``."""
         sp_size = context.gradients.sp_size
-        refusals.refuse_tuning_callbacks(lightning_module.trainer.callbacks)
         models = hf.find_pretrained_models(lightning_module)
         cores = [m for _, m in find_attention_cores(lightning_module, attention_modules)]
         gpts = litgpt.find_litgpt_models(lightning_module)

@@ -78,10 +78,36 @@ class StepRunner:
     def step(self, kind: str, batch: Any) -> Iterator[None]:
         """Around a ``kind`` step of ``batch``: its shard facts into the step context (checked first), the model-form
         check before the stage's first step, the context's in-step state cleared after."""
-        self._begin(kind, batch)
+        if batch is not None and hasattr(batch, "__next__"):
+            raise ValueError(
+                f"UlyssesDeepSpeedStrategy does not support a {kind} step that takes the dataloader iterator"
+                " (`dataloader_iter`): the strategy pairs every batch with its sharding facts when the loop fetches"
+                " it. Take `batch` as the step's argument instead."
+            )
+        shard = self.queues[kind].pop()
+        if shard is None:
+            raise RuntimeError(
+                f"UlyssesDeepSpeedStrategy has no sharding facts for this {kind} batch: it did not come from a"
+                " DataLoader the strategy prepared (Lightning passes every loader of the Trainer through"
+                " `strategy.process_dataloader`; iterating a loader yourself inside a step is not supported)."
+            )
+        self.begin_batch(kind, shard, batch)
+        context = self.context
+        context.in_step = True
+        try:
+            yield
+        finally:
+            context.in_step = False
+            self.shift_labels = None
+
+    def begin_batch(self, kind: str, shard: ShardInfo, batch: Any) -> None:
+        """A step of ``batch`` (this rank's shard, as its loader gave it) begins, before any compute: check that the
+        SP peers hold the same batch and that packing is supported, put its facts into the step context, and run
+        the model-form check if it is the stage's first step. The Trainer's hooks call it through :meth:`step`;
+        Fabric's front end at the first forward pass on a new batch."""
+        self._begin(kind, shard)
         context = self.context
         self.shift_labels = batch.get("shift_labels") if isinstance(batch, dict) else None
-        context.in_step = True
         context.step_batch_tensors = ({key: batch.get(key) for key in ("position_ids", "attention_mask",
                                                                         "shift_labels")}
                                       if isinstance(batch, dict) else {})
@@ -91,29 +117,11 @@ class StepRunner:
             self.form_check_pending = False
             if self.models.check_form(batch, context, self.layout, self.device):
                 self.form_checks_run += 1
-        try:
-            yield
-        finally:
-            context.in_step = False
-            self.shift_labels = None
 
-    def _begin(self, kind: str, batch: Any) -> None:
-        """Take the facts of this step's batch from the queue its loader filled (before any compute): check that the
-        SP peers hold the same batch, check packing support, and put them into the step context."""
-        if batch is not None and hasattr(batch, "__next__"):
-            raise ValueError(
-                f"UlyssesDeepSpeedStrategy does not support a {kind} step that takes the dataloader iterator"
-                " (`dataloader_iter`): the strategy pairs every batch with its sharding facts when the loop fetches"
-                " it. Take `batch` as the step's argument instead."
-            )
+    def _begin(self, kind: str, shard: ShardInfo) -> None:
+        """Check the facts of this step's batch (before any compute): the prepared models' hooks are in place, the SP
+        peers hold the same batch, packing is supported; then put them into the step context."""
         self.models.check_hooks()
-        shard = self.queues[kind].pop()
-        if shard is None:
-            raise RuntimeError(
-                f"UlyssesDeepSpeedStrategy has no sharding facts for this {kind} batch: it did not come from a"
-                " DataLoader the strategy prepared (Lightning passes every loader of the Trainer through"
-                " `strategy.process_dataloader`; iterating a loader yourself inside a step is not supported)."
-            )
         if self.agreement is not None and shard.fingerprint is not None:
             self.agreement.verify(shard.fingerprint, shard.seq_len, shard.batch_size, where=f"{kind} step")
         if shard.packed and self.layout.ring_size == 1:  # the ring kernel keeps documents apart itself

@@ -1,0 +1,244 @@
+"""What both front ends do the same way: the Trainer's :class:`~lightning_ulysses.strategy.UlyssesDeepSpeedStrategy`
+and Fabric's :class:`~lightning_ulysses.fabric.UlyssesDeepSpeedStrategy` are thin glue over one implementation of the
+layout, the step runner, the model preparation, the data sharding and the checkpoints; the few set-up steps they
+share beyond calling those owners are here, once.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn import Module
+
+from lightning_ulysses.context import ShardInfo
+from lightning_ulysses.models import building, memory
+from lightning_ulysses.models.preparation import PreparedModels
+from lightning_ulysses.parallel.attention import ModuleSelector
+from lightning_ulysses.parallel.geometry import SequenceGeometry
+from lightning_ulysses.parallel.layout import (
+    SequenceParallelLayout,
+    node_spanning_warning,
+    sp_groups_span_nodes,
+    validate_ring_size,
+    validate_sp_size,
+)
+from lightning_ulysses.patches import PatchStack
+from lightning_ulysses.training.agreement import SPAgreement
+from lightning_ulysses.training.gradient_factor import GradientFactors
+from lightning_ulysses.training.step_context import StepContext
+from lightning_ulysses.training.step_runner import StepRunner
+
+
+def check_world(sp_size: int, ring_size: int, num_nodes: int, devices_per_node: int) -> Optional[str]:
+    """Validate ``sp_size`` / ``ring_size`` against the world (``ValueError`` naming what to change); returns the
+    warning to show when an all-to-all group spans nodes, else ``None``."""
+    validate_sp_size(sp_size, num_nodes * devices_per_node)
+    validate_ring_size(ring_size, sp_size)
+    ulysses = SequenceGeometry(sp_size, ring_size).ulysses_size  # the all-to-all group; the ring may cross nodes
+    if sp_groups_span_nodes(ulysses, devices_per_node, num_nodes):
+        return node_spanning_warning(ulysses, devices_per_node, num_nodes, ring_size)
+    return None
+
+
+def use_deepspeed_cpu_accelerator() -> None:
+    """Make DeepSpeed run on CPU when Lightning does, even on a machine whose CUDA DeepSpeed would pick."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+
+
+def new_step_runner(layout: SequenceParallelLayout, models: PreparedModels, device: torch.device, *,
+                    ring_size: int, sdpa_per_document: bool, check_sp_agreement: bool, gather_predictions: bool,
+                    check_model_form: bool) -> StepRunner:
+    """The step runner of one stage (Trainer) or one set-up (Fabric), with the gradient factors of the DeepSpeed
+    config as it is now (completed by :func:`complete_gradient_factors` once the config is final)."""
+    context = StepContext(sp_group=layout.sp_group, ulysses_group=layout.ulysses_group,
+                          ring_group=layout.ring_group, ring_size=ring_size,
+                          sdpa_per_document=sdpa_per_document, incoming_gradients=[],
+                          gradients=GradientFactors(layout.dp_size, layout.sp_size))
+    agreement = (SPAgreement(layout.sp_group, layout.sp_group_ranks(), device)
+                 if check_sp_agreement and layout.sp_size > 1 else None)
+    return StepRunner(layout, context, models, agreement, device, agree_on_tile_counts=False,
+                      gather_predictions=gather_predictions, check_model_form=check_model_form)
+
+
+def complete_gradient_factors(runner: StepRunner, config: Mapping[str, Any], layout: SequenceParallelLayout,
+                              accumulation: int, zero_stage_3: bool, tiles_follow_length: bool) -> None:
+    """The step context's gradient factors and ZeRO-3 facts from the final DeepSpeed config. ``accumulation``: how
+    many times the loss is divided by the accumulation count besides DeepSpeed's own division (see
+    :class:`~lightning_ulysses.training.gradient_factor.GradientFactors`)."""
+    runner.context.gradients = GradientFactors.for_config(config, layout.sp_size, layout.dp_size, accumulation)
+    runner.context.zero_stage_3 = zero_stage_3
+    runner.agree_on_tile_counts = tiles_follow_length and zero_stage_3 and layout.dp_size > 1
+
+
+@contextmanager
+def zero3_model_building(config: Mapping[str, Any], zero_stage_3: bool) -> Iterator[None]:
+    """Inside DeepSpeed's ``zero.Init``: transformers told that ZeRO-3 is active (so ``from_pretrained`` /
+    ``from_config`` load and initialise partitioned weights correctly) and ``torch.nn.init`` working on partitioned
+    parameters (PEFT initialises LoRA layers after building them). Nothing at other stages."""
+    if not zero_stage_3:
+        yield
+        return
+    with building.transformers_zero3_aware(config), building.partition_aware_init():
+        yield
+
+
+class SequenceParallelFrontEnd:
+    """The part of both strategies that is not Lightning glue: the sequence-parallel settings, the layout's
+    properties and the public step API, each forwarded to its owner. Mixed into the Trainer's and Fabric's
+    ``UlyssesDeepSpeedStrategy`` in front of Lightning's ``DeepSpeedStrategy``."""
+
+    def _init_sequence_parallel(self, sp_size: Optional[int], ring_size: int, sdpa_per_document: bool,
+                                attention_modules: Optional[Sequence[ModuleSelector]],
+                                memory_features: memory.MemoryFeatures, check_sp_agreement: bool,
+                                verify_checkpoints: bool, check_model_form: bool) -> None:
+        if sp_size is not None:
+            validate_sp_size(sp_size, sp_size)  # type and sign; the world size is checked once it is known
+        validate_ring_size(ring_size, sp_size if sp_size is not None else ring_size)  # divisibility once known
+        self.ring_size = ring_size
+        self._requested_sp_size = sp_size
+        self.sdpa_per_document = sdpa_per_document
+        self.attention_modules = list(attention_modules or [])
+        self.memory_features = memory_features
+        self.check_sp_agreement = check_sp_agreement
+        self.verify_checkpoints = verify_checkpoints
+        self.check_model_form = check_model_form
+        self._layout: Optional[SequenceParallelLayout] = None
+        self._runner: Optional[StepRunner] = None  # per stage (Trainer) or per set-up (Fabric)
+        self._models = PreparedModels()
+        self._patches = PatchStack()  # every change to the user's objects and to other libraries, closed in teardown
+        self._form_checks_before = 0  # model-form checks of the stages before the current one
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks per SP group (resolved from the devices per node if ``sp_size=None`` was given)."""
+        if self._requested_sp_size is not None:
+            return self._requested_sp_size
+        return self.num_processes
+
+    @property
+    def layout(self) -> SequenceParallelLayout:
+        """The DP×SP layout (mesh, groups, ranks); exists once the process group is set up."""
+        if self._layout is None:
+            raise RuntimeError("The sequence-parallel layout exists only after the Trainer or Fabric has set up the processes.")
+        return self._layout
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``("dp", "ring", "ulysses")`` device mesh (the flattened ``"sp"`` mesh: ``layout.sp_mesh``)."""
+        return self.layout.mesh
+
+    @property
+    def sp_group(self) -> torch.distributed.ProcessGroup:
+        return self.layout.sp_group
+
+    @property
+    def sp_rank(self) -> int:
+        return self.layout.sp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
+
+
+    @property
+    def runner(self) -> StepRunner:
+        if self._runner is None:
+            raise RuntimeError("The step context exists once the Trainer or Fabric has set up the strategy.")
+        return self._runner
+
+
+    @property
+    def step_context(self) -> StepContext:
+        """What the prepared models' attention and loss read during the current step."""
+        return self.runner.context
+
+    @property
+    def current_shard_info(self) -> Optional[ShardInfo]:
+        """Facts about the full batch of the current step (length before padding, packed documents)."""
+        return self._runner.context.shard_info if self._runner is not None else None
+
+    @property
+    def prepared_models(self) -> list[Module]:
+        """The Hugging Face models the strategy switched to Ulysses attention (during fit/validate/test/predict)."""
+        return list(self._models.hf_models)
+
+    @property
+    def form_checks_run(self) -> int:
+        """Model-form checks this strategy ran and passed (one per Trainer stage with ``check_model_form``)."""
+        return self._form_checks_before + (self._runner.form_checks_run if self._runner is not None else 0)
+
+    def shard_positions(self, shard_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Global positions ``[shard_len]`` of this rank's sequence shard (for rotary/absolute position embeddings
+        of your own model; batches from the strategy's loaders also carry them as ``position_ids``). With
+        ``ring_size > 1`` the shard is the zigzag pieces
+        :class:`~lightning_ulysses.parallel.geometry.SequenceGeometry` places on this rank."""
+        return self.runner.shard_positions(shard_len, device)
+
+    def token_losses(self) -> torch.Tensor:
+        """Per-token cross-entropy ``[B, s]`` of this rank's shard from the last forward pass of a prepared model
+        run without gradients (``validation_step``/``test_step``/``predict_step``), fp32, 0 where there is no
+        target. Works with ``tiled_loss`` (no full logits). Pair it with the batch's ``position_ids`` and
+        ``shift_labels`` (e.g. :class:`lightning_ulysses.PositionalLoss`)."""
+        return self.runner.token_stats()[0]
+
+    def token_correct(self) -> torch.Tensor:
+        """``[B, s]`` bool: whether the argmax of each position's logits is its target (see :meth:`token_losses`)."""
+        return self.runner.token_stats()[1]
+
+    def evaluate_full_batch(self, model: Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run a prepared model on a FULL batch (``input_ids`` ``[B, S]``, ``labels``; the same on every rank of the
+        SP group) outside the Trainer's loops, e.g. from a callback: the batch is cut into this rank's shard, the
+        model runs sequence-parallel without gradients, and this rank's shard statistics come back:
+        ``{"loss": [B, s], "correct": [B, s], "shift_labels": [B, s], "position_ids": [B, s]}``. Every rank of the
+        world must call it the same number of times (the loss reduces over all ranks)."""
+        return self.runner.evaluate_full_batch(model, batch, self._models.pad_token_id())
+
+    def cross_entropy(self, logits: torch.Tensor, shift_labels: torch.Tensor,
+                      weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean next-token cross-entropy over the batch's target tokens from this rank's ``[B, s, V]`` logits and
+        ``[B, s]`` ``shift_labels``, for a ``training_step`` that computes its own loss. Same value on every rank,
+        the single-device value; exact gradients at every ZeRO stage and with gradient accumulation.
+
+        ``weight``: ``[B]`` per-sample or ``[B, s]`` per-target weights (aligned with ``shift_labels``; for weights
+        given per input token use :meth:`next_token_values`): the loss is then ``sum(w · ce) / sum(w)`` over the
+        target tokens of the whole batch, as ``(ce * w).sum() / w.sum()`` on one device."""
+        return self.runner.cross_entropy(logits, shift_labels, weight)
+
+    def token_mean(self, values: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Weighted mean of per-token ``values`` ``[B, s]`` over the whole batch (every rank's shard): the value a
+        single device computes as ``(values * w).sum() / w.sum()`` on the full batch, the same number on every rank,
+        with exact gradients. Use it for every per-token term of a loss (auxiliary losses on logits or hidden states,
+        weighted token losses): a mean over this rank's shard would be a different function on every rank.
+
+        Args:
+            values: ``[B, s]`` per-token values of this rank's shard (e.g. ``F.cross_entropy(..., reduction="none")``
+                against ``batch["shift_labels"]``, or ``logits.logsumexp(-1) ** 2``).
+            weights: ``[B]`` per-sample or ``[B, s]`` per-token weights; ``None``: 1.
+            mask: ``[B, s]`` which positions count; ``None``: the step's target tokens (``shift_labels != -100``),
+                or, if the batch has no labels, its real tokens (no padding).
+
+        With gradient accumulation the mean is taken per micro-batch, and the micro-batches are averaged as Lightning
+        averages them on one device."""
+        return self.runner.token_mean(values, weights, mask)
+
+    def next_token_values(self, values: torch.Tensor, fill: Any = 0) -> torch.Tensor:
+        """``[B, s, ...]`` -> ``[B, s, ...]``: at every position of this rank's shard, the value at the next position of
+        the full sequence (``fill`` after the last one), across shard boundaries: what ``values[:, 1:]`` is on one
+        device. For per-token tensors of the batch that must line up with the targets, e.g. token weights:
+        ``strategy.cross_entropy(logits, batch["shift_labels"], weight=strategy.next_token_values(batch["w"]))``.
+        One all-gather of ``[B, 1 or 2, ...]`` over the SP group; every SP rank must call it."""
+        return self.runner.next_token_values(values, fill)
+

@@ -1,0 +1,95 @@
+"""What the launched processes of tests/test_fabric.py run: Fabric scripts as a user writes them, with the Fabric
+``UlyssesDeepSpeedStrategy`` as the only change, returning what each rank saw (losses, trained weights)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from tests.support.models import SEED, VOCAB, TokenDataset, build_llama, tiny_llama_config
+
+LAUNCH_WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+LR = 0.5
+
+
+def build_model(model: str, seed: int = 0) -> torch.nn.Module:
+    """The models the Fabric tests train: a Hugging Face Llama, an own model with declared attention cores, LitGPT
+    GPTs of three families."""
+    if model == "llama":
+        return build_llama(tiny_llama_config(num_kv_heads=2), seed)
+    if model == "own":  # examples/gpt_from_scratch.py's GPT: its attention cores declared to the strategy
+        import examples.gpt_from_scratch as gpt
+
+        torch.manual_seed(seed)
+        return gpt.GPT(gpt.GPTConfig(vocab_size=VOCAB, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
+    from tests.support.forms import LITGPT_FORMS
+
+    return LITGPT_FORMS[model](seed)
+
+
+def loss_of(model_name: str, model: Any, batch: dict, strategy: Any) -> torch.Tensor:
+    """The step a user writes: a Hugging Face model's own loss; logits and the strategy's loss otherwise."""
+    if model_name == "llama":
+        return model(**batch).loss
+    logits = model(batch["input_ids"])
+    return strategy.cross_entropy(logits, batch["shift_labels"])
+
+
+def _fabric(case: dict):
+    import lightning as L
+
+    from lightning_ulysses.fabric import UlyssesDeepSpeedStrategy
+
+    extra = dict(case.get("strategy", {}))
+    if case["model"] == "own":
+        import examples.gpt_from_scratch as gpt
+
+        extra["attention_modules"] = [gpt.AttentionCore]
+    strategy = UlyssesDeepSpeedStrategy(sp_size=case["sp"], stage=case["stage"], **extra)
+    if not case.get("clip"):  # Fabric leaves DeepSpeed's default, clipping at norm 1.0, which hides a wrong scale
+        strategy.config["gradient_clipping"] = 0.0
+    fabric = L.Fabric(accelerator="cpu", devices=LAUNCH_WORLD_SIZE, strategy=strategy, precision="32-true")
+    fabric.launch()
+    return fabric, strategy
+
+
+def _weights(fabric, model, stage: int) -> dict:
+    import deepspeed
+
+    params = dict(model.module.named_parameters())  # the user's module inside Fabric's and DeepSpeed's wrappers
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None, enabled=stage == 3):
+        weights = {k: v.detach().float().cpu().clone() for k, v in params.items()}
+    return weights if fabric.global_rank == 0 else None
+
+
+def train(case: dict) -> dict:
+    """SGD steps of ``case["model"]`` under Fabric; the losses and the trained weights (rank 0)."""
+    from lightning.fabric import seed_everything
+
+    os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
+    seed_everything(SEED, verbose=False)
+    fabric, strategy = _fabric(case)
+    model = build_model(case["model"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model, optimizer = fabric.setup(model, optimizer)
+    dataset = TokenDataset(case["rows"], case["seq_len"])
+    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=case["batch"], shuffle=True))
+    losses = []
+    model.train()
+    for step, batch in enumerate(loader):
+        if step == case["steps"]:
+            break
+        loss = loss_of(case["model"], model, batch, strategy)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": _weights(fabric, model, case["stage"]),
+            "form_checks": strategy.form_checks_run, "dp_size": strategy.dp_size}
+
+
+def run(payload: dict) -> dict:
+    return {case["name"]: train(case) for case in payload["cases"]}
