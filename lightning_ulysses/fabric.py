@@ -25,6 +25,7 @@ import torch
 from lightning.fabric.accelerators import CPUAccelerator
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
 from lightning.fabric.strategies.ddp import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
@@ -42,6 +43,24 @@ from lightning_ulysses.parallel.attention import ModuleSelector
 from lightning_ulysses.parallel.layout import SequenceParallelLayout
 from lightning_ulysses.training.forward_steps import ForwardSteps, RecordedBatches
 from lightning_ulysses.training.gradient_factor import verify_deepspeed_divisor
+
+
+class AccumulationWindow(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model, enabled=is_accumulating)`` for DeepSpeed: the backward passes inside it
+    accumulate gradients without DeepSpeed's reduction (not an accumulation boundary); the first one outside it ends
+    the window, and ``optimizer.step()`` follows. Fabric's own DeepSpeed strategy has no such control, so there every
+    backward pass is a boundary (at ZeRO 1-2 the gradients of the window's earlier passes are then lost)."""
+
+    @contextmanager
+    def no_backward_sync(self, module: Module, enabled: bool) -> Iterator[None]:
+        if not enabled:
+            yield
+            return
+        module.set_gradient_accumulation_boundary(False)  # `module`: the DeepSpeed engine Fabric set up
+        try:
+            yield
+        finally:
+            module.set_gradient_accumulation_boundary(True)
 
 
 class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
@@ -69,8 +88,11 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
     * ``fabric.save`` / ``fabric.load``: DeepSpeed's checkpoint directory with a completion marker and file digests;
       a checkpoint saved on another number of ranks, SP split or ZeRO stage (1-3) is re-partitioned on load.
 
-    Gradient accumulation is DeepSpeed's: ``config["gradient_accumulation_steps"]`` with ``optimizer.step()`` after
-    every micro-batch (DeepSpeed steps at the window's end and divides the loss by the count itself).
+    Gradient accumulation as Fabric documents it: ``with fabric.no_backward_sync(model, enabled=is_accumulating):``
+    around the forward and ``fabric.backward(loss / k)``, ``optimizer.step()`` after the window's last micro-batch.
+    (DeepSpeed's ``gradient_accumulation_steps`` config is refused: Fabric calls DeepSpeed's optimizer step directly
+    after every micro-batch. Two backward passes before a step without ``no_backward_sync`` are refused at ZeRO 0-2,
+    where DeepSpeed would keep only the last one's gradients; ZeRO-3 accumulates them.)
 
     Args: as the Trainer's :class:`lightning_ulysses.UlyssesDeepSpeedStrategy` (``sp_size``, ``ring_size``,
     ``sdpa_per_document``, ``attention_modules``, ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints``,
@@ -98,6 +120,8 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
                                      check_sp_agreement, verify_checkpoints, check_model_form)
         self._steps: Optional[ForwardSteps] = None
         self._module: Optional[Module] = None  # the model set up (one per strategy)
+        self._backward_sync_control = AccumulationWindow()
+        self._window_ends_since_step = 0  # backward passes at an accumulation boundary since the last optimizer step
 
     # ----------------------------------------------------------------------------------------------- processes
     @override
@@ -181,8 +205,11 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
                 " pass of the set-up model is a sequence-parallel step. Put every model of the step into one module"
                 " (e.g. a wrapper holding the policy and a frozen reference) and set that up."
             )
+        accumulation = int(self.config.get("gradient_accumulation_steps", 1))
+        if accumulation != 1:
+            raise ValueError(accumulation_config_error(accumulation))
         runner = self.runner
-        # DeepSpeed divides the loss by its accumulation count; Fabric does not.
+        # DeepSpeed's accumulation count is 1: the loss is divided by the window only where the script divides it.
         front_end.complete_gradient_factors(runner, self.config, self.layout, 1, self.zero_stage_3,
                                             tiles_follow_length=self.memory_features.auto)
         # The preparation looks for models below the root it is given (a LightningModule holds its models): the
@@ -222,6 +249,11 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         the SP peers back-propagated the same loss (:meth:`StepRunner.backward`)."""
         if self._runner is None or self._module is None:
             return super().backward(tensor, module, *args, **kwargs)
+        engine = self._deepspeed_engine
+        if engine is not None and engine.is_gradient_accumulation_boundary():
+            if self._window_ends_since_step and not self.zero_stage_3:
+                raise ValueError(second_backward_error(self.config))
+            self._window_ends_since_step += 1
         self._runner.backward(tensor, lambda scaled: super(UlyssesDeepSpeedStrategy, self).backward(
             scaled, module, *args, **kwargs), self.zero_stage_3, where="fabric.backward")
         return None
@@ -231,9 +263,9 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         """DeepSpeed's step; at ZeRO-3, when it ends an accumulation window, the gradient partitions are then cleared
         (a parameter the next window does not use is not moved by this window's gradient again)."""
         engine = self._deepspeed_engine
-        boundary = engine is not None and engine.is_gradient_accumulation_boundary()
         result = super().optimizer_step(optimizer, **kwargs)
-        if boundary and self.zero_stage_3 and engine.optimizer is not None:
+        self._window_ends_since_step = 0
+        if self.zero_stage_3 and engine is not None and engine.optimizer is not None:
             _compat.clear_zero3_gradient_partitions(engine.optimizer)
         return result
 
@@ -306,6 +338,27 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"Ulysses SP + DeepSpeed ZeRO {stage} (Fabric)",
                                            stage=stage)
+
+
+def accumulation_config_error(steps: int) -> str:
+    return (
+        f"UlyssesDeepSpeedStrategy (Fabric): the DeepSpeed config sets gradient_accumulation_steps={steps}, but Fabric"
+        " calls DeepSpeed's optimizer step directly after every `optimizer.step()`, so DeepSpeed's own window would"
+        " never be kept. Leave it at 1 and accumulate as Fabric documents it: `with fabric.no_backward_sync(model,"
+        " enabled=is_accumulating): fabric.backward(loss / k)`, and `optimizer.step()` after the window's last"
+        " micro-batch."
+    )
+
+
+def second_backward_error(config: dict) -> str:
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    return (
+        "UlyssesDeepSpeedStrategy (Fabric): a second `fabric.backward` before `optimizer.step()` outside"
+        f" `fabric.no_backward_sync(...)`: at ZeRO stage {stage} DeepSpeed reduces the gradients at every backward"
+        " pass that ends an accumulation window and keeps only the last one's, so the earlier micro-batches would be"
+        " silently dropped. Wrap the window's other micro-batches in `with fabric.no_backward_sync(model,"
+        " enabled=is_accumulating):` (Fabric's way to accumulate), or call `optimizer.step()` after every backward."
+    )
 
 
 UlyssesDeepSpeedStrategy.register_strategies(STRATEGY_REGISTRY)

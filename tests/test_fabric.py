@@ -26,17 +26,18 @@ def update_rel_diff(got: dict, expected: dict, initial: dict) -> float:
     return max(rel_diff(got[k] - initial[k], expected[k] - initial[k]) for k in expected)
 
 
-def reference(case: dict) -> dict:
+def reference(case: dict, steps: int = 0) -> dict:
     """One device: the same model, the same sample order (Fabric's DistributedSampler over the dp replicas, shuffled
-    with the global seed), SGD on each global batch's mean loss."""
+    with the global seed), SGD on each global batch's mean loss (with ``"gas"``: the micro-batches' means averaged
+    over each accumulation window, as DeepSpeed divides them). ``steps``: micro-batches, if not ``case["steps"]``."""
     model = build_model(case["model"])
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     dataset = TokenDataset(case["rows"], case["seq_len"])
-    order, dp = lightning_order(len(dataset)), case.get("dp", 1)
+    order, dp, gas = lightning_order(len(dataset)), case.get("dp", 1), case.get("gas", case.get("window", 1))
     per_replica = [order[r::dp] for r in range(dp)]
     losses = []
-    for step in range(case["steps"]):
+    for step in range(steps or case["steps"]):
         rows = [dataset[i] for replica in per_replica for i in replica[step * case["batch"]:(step + 1) * case["batch"]]]
         ids = torch.stack([r["input_ids"] for r in rows])
         if case["model"] == "llama":
@@ -44,14 +45,24 @@ def reference(case: dict) -> dict:
         else:
             logits = model(ids)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
+        (loss / gas).backward()
+        losses.append(loss.item())
+        if (step + 1) % gas:
+            continue
         if case.get("clip"):  # DeepSpeed's gradient clipping (Fabric's default: norm 1.0)
             torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
     return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()},
             "initial": initial}
+
+
+def assert_trains_as_one_device(results: list, case: dict, expected: dict, losses: slice = slice(None)) -> None:
+    for rank in results:
+        got = rank[case["name"]]
+        assert rel_diff(got["losses"], expected["losses"][losses]) <= 1e-5, (got["losses"], expected["losses"])
+    weights = results[0][case["name"]]["weights"]
+    assert update_rel_diff(weights, expected["weights"], expected["initial"]) <= 1e-4
 
 
 def _case(model: str, stage: int, **kw) -> dict:
@@ -59,21 +70,66 @@ def _case(model: str, stage: int, **kw) -> dict:
             "batch": 2, "steps": 3, **kw}
 
 
-TWO = [_case("llama", 2), _case("llama", 3), dict(_case("llama", 2), name="llama-zero2-clip", clip=1.0), _case("own", 2), _case("own", 3),
-       _case("litgpt-pythia", 2), _case("litgpt-llama", 2), _case("litgpt-gemma", 2)]
+TWO = [_case("llama", 2), _case("llama", 3), dict(_case("llama", 2), name="llama-zero2-clip", clip=1.0),
+       _case("own", 2), _case("own", 3), _case("litgpt-pythia", 2), _case("litgpt-llama", 2),
+       _case("litgpt-gemma", 2), _case("litgpt-llama", 3),
+       dict(_case("llama", 2), name="llama-zero2-accumulation", window=2, steps=4),
+       dict(_case("llama", 3), name="llama-zero3-accumulation", window=2, steps=4)]
+SAVED = dict(_case("llama", 2), name="llama-saved", steps=2, rows=12)  # saved on 2 ranks (sp=2) ...
+RESUMED = dict(SAVED, name="llama-resumed", sp=4, steps=2)  # ... resumed on 4 (sp=4), the next 2 batches
+FOUR = [dict(_case("llama", stage), name=f"llama-dp2-zero{stage}", dp=2, rows=16) for stage in (2, 3)]
+REFUSALS = ["tokens_not_from_a_loader", "second_model", "litgpt_chunked_loss", "accumulation_config",
+            "second_backward_without_no_sync"]
 
 
 @pytest.fixture(scope="module")
-def two():
-    return launch(2, "fabric:run", {"cases": TWO}, timeout=900)
+def checkpoint_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fabric") / "saved"
+
+
+@pytest.fixture(scope="module")
+def two(checkpoint_dir):
+    cases = TWO + [dict(SAVED, save=str(checkpoint_dir))]
+    return launch(2, "fabric:run", {"cases": cases, "refusals": REFUSALS}, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def four(two, checkpoint_dir):
+    return launch(4, "fabric:run", {"cases": FOUR + [dict(RESUMED, load=str(checkpoint_dir))]}, timeout=900)
 
 
 @pytest.mark.parametrize("case", TWO, ids=[c["name"] for c in TWO])
 def test_a_fabric_script_trains_as_one_device(two, case):
-    expected = reference(case)
+    assert_trains_as_one_device(two, case, reference(case))
+    assert [rank[case["name"]]["form_checks"] for rank in two] == [1, 1]  # the model-form check ran, and passed
+
+
+@pytest.mark.parametrize("case", FOUR, ids=[c["name"] for c in FOUR])
+def test_data_parallel_times_sequence_parallel_trains_as_one_device(four, case):
+    assert [rank[case["name"]]["dp_size"] for rank in four] == [2] * 4
+    assert_trains_as_one_device(four, case, reference(case))
+
+
+def test_a_checkpoint_saved_on_two_ranks_resumes_on_four(two, four, checkpoint_dir):
+    from lightning_ulysses import checkpoint_status
+
+    complete, why = checkpoint_status(checkpoint_dir)
+    assert complete, why
+    assert_trains_as_one_device(two, SAVED, reference(SAVED))
+    expected = reference(SAVED, steps=SAVED["steps"] + RESUMED["steps"])
+    assert [rank[RESUMED["name"]]["start"] for rank in four] == [SAVED["steps"]] * 4
+    assert_trains_as_one_device(four, RESUMED, expected, losses=slice(SAVED["steps"], None))
+
+
+@pytest.mark.parametrize("name", REFUSALS)
+def test_what_cannot_run_exactly_is_refused_on_every_rank(two, name):
+    expected = {"tokens_not_from_a_loader": "ValueError: UlyssesDeepSpeedStrategy (Fabric): the model was called on"
+                                            " tokens of shape [2, 32]",
+                "second_model": "ValueError: UlyssesDeepSpeedStrategy (Fabric) sets up one model per strategy",
+                "litgpt_chunked_loss": "SPLossMismatchError",
+                "accumulation_config": "ValueError: UlyssesDeepSpeedStrategy (Fabric): the DeepSpeed config sets"
+                                       " gradient_accumulation_steps=2",
+                "second_backward_without_no_sync": "ValueError: UlyssesDeepSpeedStrategy (Fabric): a second"
+                                                   " `fabric.backward` before `optimizer.step()`"}[name]
     for rank in two:
-        got = rank[case["name"]]
-        assert rel_diff(got["losses"], expected["losses"]) <= 1e-5, (got["losses"], expected["losses"])
-        assert got["form_checks"] == 1
-    weights = two[0][case["name"]]["weights"]
-    assert update_rel_diff(weights, expected["weights"], expected["initial"]) <= 1e-4
+        assert rank["refusals"][name].startswith(expected), rank["refusals"][name]

@@ -66,30 +66,87 @@ def _weights(fabric, model, stage: int) -> dict:
 
 
 def train(case: dict) -> dict:
-    """SGD steps of ``case["model"]`` under Fabric; the losses and the trained weights (rank 0)."""
+    """SGD steps of ``case["model"]`` under Fabric; the losses and the trained weights (rank 0).
+
+    Options: ``"gas"``: DeepSpeed's gradient accumulation (``optimizer.step()`` after every micro-batch, as Fabric
+    documents it); ``"save"``: a checkpoint directory to ``fabric.save`` after the steps; ``"load"``: one to
+    ``fabric.load`` first, then the batches it saw skipped, as a resuming script does."""
     from lightning.fabric import seed_everything
 
     os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
     seed_everything(SEED, verbose=False)
     fabric, strategy = _fabric(case)
+    if case.get("gas"):
+        strategy.config["gradient_accumulation_steps"] = case["gas"]
     model = build_model(case["model"])
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = fabric.setup(model, optimizer)
     dataset = TokenDataset(case["rows"], case["seq_len"])
     loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=case["batch"], shuffle=True))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if case.get("load"):
+        remainder = fabric.load(case["load"], state)
+        if "step" in remainder:  # Fabric puts plain values it cannot restore in place into what it returns
+            state["step"] = remainder["step"]
     losses = []
     model.train()
-    for step, batch in enumerate(loader):
-        if step == case["steps"]:
-            break
-        loss = loss_of(case["model"], model, batch, strategy)
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+    batches = iter(loader)
+    for _ in range(state["step"]):  # the batches the saved run trained on
+        next(batches)
+    window = case.get("window", 1)  # accumulation as Fabric documents it: no_backward_sync, backward(loss / k)
+    for micro in range(case["steps"]):
+        batch = next(batches)
+        accumulating = (micro + 1) % window != 0
+        with fabric.no_backward_sync(model, enabled=accumulating and not case.get("without_no_sync")):
+            loss = loss_of(case["model"], model, batch, strategy)
+            fabric.backward(loss / window)
+        if not accumulating:
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(loss.item())
+        state["step"] += 1
+    if case.get("save"):
+        fabric.save(case["save"], state)
     return {"losses": losses, "weights": _weights(fabric, model, case["stage"]),
-            "form_checks": strategy.form_checks_run, "dp_size": strategy.dp_size}
+            "form_checks": strategy.form_checks_run, "dp_size": strategy.dp_size, "start": state["step"] - len(losses)}
+
+
+def refusals(payload: dict) -> dict:
+    """What a Fabric script gets when it does what the strategy cannot run exactly: the error on every rank."""
+    import lightning_ulysses
+
+    results = {}
+    for name in payload["refusals"]:
+        case = {"model": "llama" if name != "litgpt_chunked_loss" else "litgpt-pythia", "sp": 2, "stage": 2}
+        fabric, strategy = _fabric(case)
+        model = build_model(case["model"])
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        try:
+            if name == "accumulation_config":  # DeepSpeed's own window, which Fabric's optimizer step bypasses
+                strategy.config["gradient_accumulation_steps"] = 2
+            model, optimizer = fabric.setup(model, optimizer)
+            loader = fabric.setup_dataloaders(DataLoader(TokenDataset(4, 32), batch_size=2))
+            batch = next(iter(loader))
+            if name == "tokens_not_from_a_loader":  # a full batch made in the loop
+                model(input_ids=torch.randint(1, VOCAB, (2, 32)))
+            elif name == "second_model":
+                fabric.setup(build_model("llama"), torch.optim.SGD(model.parameters(), lr=LR))
+            elif name == "litgpt_chunked_loss":  # LitGPT's recipe on the shard: a per-shard mean, its own shift
+                from litgpt.utils import chunked_cross_entropy
+
+                logits = model(batch["input_ids"])
+                fabric.backward(chunked_cross_entropy(logits[..., :-1, :], batch["input_ids"][..., 1:]))
+            elif name == "second_backward_without_no_sync":  # ZeRO-2 would keep only the second one's gradients
+                fabric.backward(model(**batch).loss / 2)
+                fabric.backward(model(**batch).loss / 2)
+            results[name] = "no error"
+        except (ValueError, RuntimeError, lightning_ulysses.SPLossMismatchError) as err:
+            results[name] = f"{type(err).__name__}: {err}"
+    return results
 
 
 def run(payload: dict) -> dict:
-    return {case["name"]: train(case) for case in payload["cases"]}
+    results = {case["name"]: train(case) for case in payload.get("cases", [])}
+    if payload.get("refusals"):
+        results["refusals"] = refusals(payload)
+    return results
