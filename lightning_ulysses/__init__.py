@@ -2,7 +2,8 @@
 
 ``Trainer(strategy=UlyssesDeepSpeedStrategy(sp_size=4), devices=8)``: each sequence is split over 4 devices, the
 training is the one a single device would run. Importing this package registers the strategy names
-``ulysses_deepspeed`` and ``ulysses_deepspeed_stage_{1,2,3}`` in Lightning's ``StrategyRegistry``.
+``ulysses_deepspeed`` and ``ulysses_deepspeed_stage_{1,2,3}`` in Lightning's ``StrategyRegistry`` and in Fabric's
+(``L.Fabric(strategy=lightning_ulysses.fabric.UlyssesDeepSpeedStrategy(sp_size=4))`` for Fabric scripts).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -23,6 +24,7 @@ from lightning_ulysses.training.callbacks import SequenceParallelThroughputMonit
 from lightning_ulysses.training.loss import sequence_parallel_cross_entropy
 
 UlyssesDeepSpeedStrategy.register_strategies(StrategyRegistry)
+import lightning_ulysses.fabric  # noqa: E402,F401  (registers the same names for Lightning Fabric)
 
 __all__ = [
     "GenerationRendezvousError",

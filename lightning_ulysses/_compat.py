@@ -12,6 +12,10 @@ Lightning (2.6):
     :func:`remove_module_hooks`, :data:`BATCH_PROGRESS_KEY` (the loop state's key in a checkpoint), and the strategy's
     overrides of ``DeepSpeedStrategy._setup_model_and_optimizer`` / ``_initialize_deepspeed_inference`` /
     ``_auto_select_batch_size`` (:func:`initialize_training_engine`, :func:`initialize_inference_engine`).
+Lightning Fabric (2.6):
+    the Fabric front end's overrides of ``DeepSpeedStrategy._setup_distributed`` (:func:`format_fabric_deepspeed_config`
+    is its tail) and ``_initialize_engine`` (:func:`initialize_training_engine`), :func:`move_state_into`
+    (``_move_state_into``), and ``_BackwardSyncControl``, which ``fabric.no_backward_sync`` calls.
 DeepSpeed (0.19):
     :func:`checkpoint_name_override` (``engine._get_ckpt_name``), :func:`link_hp_params`
     (``optimizer._link_all_hp_params``), :func:`restore_from_bit16_override`
@@ -122,6 +126,14 @@ def format_fabric_deepspeed_config(strategy: Any) -> None:
     if not strategy._config_initialized:
         strategy._format_config()
         strategy._config_initialized = True
+
+
+def move_state_into(source: dict, destination: dict, keys: set) -> None:
+    """Fabric's ``_move_state_into``: the saved state of ``keys`` into the objects of ``destination`` (in place where
+    they are stateful), as Fabric's ``load`` does after DeepSpeed loaded a checkpoint."""
+    from lightning.fabric.utilities.load import _move_state_into
+
+    _move_state_into(source=source, destination=destination, keys=keys)
 
 
 def initialize_inference_engine(strategy: Any, model: torch.nn.Module, mpu: Any,

@@ -26,7 +26,6 @@ from lightning.fabric.accelerators import CPUAccelerator
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
 from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from torch.nn import Module, ModuleDict
@@ -318,7 +317,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         client_state = saving.load(self, path, load_with_fabric, resuming=resuming, strict=strict)
         if not loaded_by_fabric:  # re-partitioned: the user's objects get their state as Fabric gives it
             keys = set(client_state) & set(state) - {"optimizer", "lr_scheduler"}
-            _move_state_into(source=client_state, destination=state, keys=keys)
+            _compat.move_state_into(client_state, state, keys)
         return client_state
 
     # ----------------------------------------------------------------------------------------------- lifecycle

@@ -51,6 +51,46 @@ def test_engine_setup_follows_lightnings_private_methods(name):
     assert _initialize_keywords(body) == _initialize_keywords(theirs) | {"mpu"}, name
 
 
+# Fabric's DeepSpeedStrategy methods the Fabric front end overrides with their body copied or wrapped (lightning 2.6.x).
+# A new digest means Fabric changed the method: compare lightning_ulysses/fabric.py's override with it, then update.
+FABRIC_OVERRIDDEN = {"_setup_distributed": "a24351400d46ed98", "_initialize_engine": "3ce165d771db9b66",
+                     "setup_module_and_optimizers": "5d590e4b6e684053", "setup_module": "cd6ad66d058c82ec",
+                     "load_checkpoint": "7ff5bd894df281b2", "save_checkpoint": "3cde990985dcf02a"}
+
+
+@pytest.mark.parametrize("name", sorted(FABRIC_OVERRIDDEN))
+def test_fabric_front_end_follows_fabrics_deepspeed_strategy(name):
+    """The Fabric front end's overrides take the arguments of Fabric's methods, which are the code installed now."""
+    from lightning.fabric.strategies import DeepSpeedStrategy
+
+    from lightning_ulysses.fabric import UlyssesDeepSpeedStrategy
+
+    theirs, ours = getattr(DeepSpeedStrategy, name), getattr(UlyssesDeepSpeedStrategy, name)
+    assert _digest(theirs) == FABRIC_OVERRIDDEN[name], f"Fabric changed DeepSpeedStrategy.{name}"
+    assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters), name
+    if name == "_initialize_engine":
+        assert _initialize_keywords(_compat.initialize_training_engine) == _initialize_keywords(theirs) | {"mpu"}
+
+
+def test_fabric_steps_deepspeeds_optimizer_and_hands_no_backward_sync_to_the_strategy():
+    """What the Fabric front end's accumulation rests on: ``optimizer.step()`` reaches DeepSpeed's optimizer, not the
+    engine (the engine is not ``Optimizable``), so DeepSpeed's own accumulation window never closes; and
+    ``fabric.no_backward_sync`` calls the strategy's ``_backward_sync_control`` with the engine."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
+    from lightning.fabric.wrappers import _FabricOptimizer
+
+    assert "isinstance(self._strategy.model, Optimizable)" in inspect.getsource(_FabricOptimizer.step)
+    assert not hasattr(DeepSpeedEngine, "param_groups")  # one of Optimizable's members
+    assert "_backward_sync_control.no_backward_sync(forward_module, enabled)" in inspect.getsource(
+        Fabric.no_backward_sync)
+    assert list(inspect.signature(_BackwardSyncControl.no_backward_sync).parameters) == ["self", "module", "enabled"]
+    from lightning.fabric.utilities.load import _move_state_into
+
+    assert list(inspect.signature(_move_state_into).parameters) == ["source", "destination", "keys"]
+
+
 def test_auto_select_batch_size_is_a_method_the_strategy_can_override():
     from lightning.pytorch.strategies import DeepSpeedStrategy
 

@@ -13,8 +13,6 @@ from tests.scenarios.fabric import LR, build_model
 from tests.support.launcher import launch
 from tests.support.models import TokenDataset, lightning_order
 
-pytestmark = pytest.mark.multiprocess
-
 
 def rel_diff(a, b) -> float:
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
@@ -133,3 +131,17 @@ def test_what_cannot_run_exactly_is_refused_on_every_rank(two, name):
                                                    " `fabric.backward` before `optimizer.step()`"}[name]
     for rank in two:
         assert rank["refusals"][name].startswith(expected), rank["refusals"][name]
+
+
+def test_the_fabric_strategy_names_are_registered_and_bad_sizes_fail_before_launch():
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    import lightning_ulysses  # noqa: F401  (registers the Trainer's and Fabric's names)
+    from lightning_ulysses.fabric import UlyssesDeepSpeedStrategy
+
+    strategy = STRATEGY_REGISTRY.get("ulysses_deepspeed_stage_3")
+    assert isinstance(strategy, UlyssesDeepSpeedStrategy) and strategy.zero_stage_3
+    with pytest.raises(ValueError, match="`sp_size` must be a positive integer"):
+        UlyssesDeepSpeedStrategy(sp_size=0)
+    with pytest.raises(ValueError, match="ring_size"):
+        UlyssesDeepSpeedStrategy(sp_size=4, ring_size=3)
