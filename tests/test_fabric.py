@@ -70,7 +70,7 @@ def _case(model: str, stage: int, **kw) -> dict:
 
 TWO = [_case("llama", 2), _case("llama", 3), dict(_case("llama", 2), name="llama-zero2-clip", clip=1.0),
        _case("own", 2), _case("own", 3), _case("litgpt-pythia", 2), _case("litgpt-llama", 2),
-       _case("litgpt-gemma", 2), _case("litgpt-llama", 3),
+       _case("litgpt-gemma", 2), _case("litgpt-llama", 3), _case("litgpt-llama3.1", 2), _case("litgpt-llama2-32k", 2),
        dict(_case("llama", 2), name="llama-zero2-accumulation", window=2, steps=4),
        dict(_case("llama", 3), name="llama-zero3-accumulation", window=2, steps=4)]
 SAVED = dict(_case("llama", 2), name="llama-saved", steps=2, rows=12)  # saved on 2 ranks (sp=2) ...

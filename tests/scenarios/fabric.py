@@ -25,9 +25,13 @@ def build_model(model: str, seed: int = 0) -> torch.nn.Module:
 
         torch.manual_seed(seed)
         return gpt.GPT(gpt.GPTConfig(vocab_size=VOCAB, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
-    from tests.support.forms import LITGPT_FORMS
+    from tests.support.forms import LITGPT_FORMS, _litgpt
 
-    return LITGPT_FORMS[model](seed)
+    extended_context = {  # LitGPT's RoPE settings for long contexts, kept in the shrunk configs
+        "litgpt-llama3.1": _litgpt("Llama-3.1-8B", n_query_groups=2, intermediate_size=96),  # rope_adjustments
+        "litgpt-llama2-32k": _litgpt("LLaMA-2-7B-32K", n_query_groups=2, intermediate_size=96),  # condensed RoPE
+    }
+    return {**LITGPT_FORMS, **extended_context}[model](seed)
 
 
 def loss_of(model_name: str, model: Any, batch: dict, strategy: Any) -> torch.Tensor:
