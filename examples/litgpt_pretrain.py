@@ -33,8 +33,9 @@ What changes from LitGPT's script:
    whole batch, the same number on every rank. LitGPT's ``chunked_cross_entropy`` on a shard would be the mean over
    this rank's shard only (the strategy refuses such a loss in ``fabric.backward``).
 
-Left out for brevity: ``torch.compile``, the throughput monitor, loggers, resuming and gradient accumulation (with
-DeepSpeed that is ``strategy.config["gradient_accumulation_steps"]``).
+Left out for brevity: ``torch.compile``, the throughput monitor, loggers, resuming and gradient accumulation (as
+in LitGPT: ``with fabric.no_backward_sync(model, enabled=is_accumulating):`` around the micro-batch and
+``fabric.backward(loss / k)``; see docs/fabric.md).
 """
 
 from __future__ import annotations
