@@ -77,7 +77,7 @@ SAVED = dict(_case("llama", 2), name="llama-saved", steps=2, rows=12)  # saved o
 RESUMED = dict(SAVED, name="llama-resumed", sp=4, steps=2)  # ... resumed on 4 (sp=4), the next 2 batches
 FOUR = [dict(_case("llama", stage), name=f"llama-dp2-zero{stage}", dp=2, rows=16) for stage in (2, 3)]
 REFUSALS = ["tokens_not_from_a_loader", "second_model", "litgpt_chunked_loss", "accumulation_config",
-            "second_backward_without_no_sync"]
+            "second_backward_without_no_sync", "full_batch_evaluation"]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_four(two, four, checkpoint_d
     assert_trains_as_one_device(four, RESUMED, expected, losses=slice(SAVED["steps"], None))
 
 
-@pytest.mark.parametrize("name", REFUSALS)
+@pytest.mark.parametrize("name", REFUSALS[:-1])
 def test_what_cannot_run_exactly_is_refused_on_every_rank(two, name):
     expected = {"tokens_not_from_a_loader": "ValueError: UlyssesDeepSpeedStrategy (Fabric): the model was called on"
                                             " tokens of shape [2, 32]",
@@ -145,3 +145,15 @@ def test_the_fabric_strategy_names_are_registered_and_bad_sizes_fail_before_laun
         UlyssesDeepSpeedStrategy(sp_size=0)
     with pytest.raises(ValueError, match="ring_size"):
         UlyssesDeepSpeedStrategy(sp_size=4, ring_size=3)
+
+
+def test_a_full_batch_outside_the_loaders_is_evaluated_as_one_device(two):
+    """``fabric.strategy.evaluate_full_batch``: each rank's per-token losses of its shard, one device's together."""
+    ids = TokenDataset(4, 32).rows[:2]
+    model = build_model("llama").eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    expected = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # [B, S-1]
+    got = torch.cat([torch.tensor(rank["refusals"]["full_batch_evaluation"]) for rank in two], dim=1)  # [B, S]
+    assert got.shape == (2, 32) and bool((got[:, -1] == 0).all())  # the last position has no target
+    assert rel_diff(got[:, :-1], expected) <= 1e-5

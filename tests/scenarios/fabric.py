@@ -140,6 +140,11 @@ def refusals(payload: dict) -> dict:
 
                 logits = model(batch["input_ids"])
                 fabric.backward(chunked_cross_entropy(logits[..., :-1, :], batch["input_ids"][..., 1:]))
+            elif name == "full_batch_evaluation":  # not refused: a full batch outside the loaders, SP on request
+                model.eval()
+                full = {"input_ids": TokenDataset(4, 32).rows[:2], "labels": TokenDataset(4, 32).rows[:2]}
+                results[name] = strategy.evaluate_full_batch(model, full)["loss"].tolist()  # [B, s] of this rank
+                continue
             elif name == "second_backward_without_no_sync":  # ZeRO-2 would keep only the second one's gradients
                 fabric.backward(model(**batch).loss / 2)
                 fabric.backward(model(**batch).loss / 2)
