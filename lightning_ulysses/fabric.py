@@ -22,11 +22,9 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
-from lightning.fabric.accelerators import CPUAccelerator
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
 from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from torch.nn import Module, ModuleDict
 from torch.optim import Optimizer
@@ -39,7 +37,6 @@ from lightning_ulysses.data.setup import prepare_dataloader
 from lightning_ulysses.front_end import SequenceParallelFrontEnd
 from lightning_ulysses.models import memory
 from lightning_ulysses.parallel.attention import ModuleSelector
-from lightning_ulysses.parallel.layout import SequenceParallelLayout
 from lightning_ulysses.training.forward_steps import ForwardSteps, RecordedBatches
 from lightning_ulysses.training.gradient_factor import verify_deepspeed_divisor
 
@@ -125,21 +122,10 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
     # ----------------------------------------------------------------------------------------------- processes
     @override
     def setup_environment(self) -> None:
-        spanning = front_end.check_world(self.sp_size, self.ring_size, self.num_nodes, self.num_processes)
-        if spanning is not None:
-            rank_zero_warn(spanning)
-        if isinstance(self.accelerator, CPUAccelerator):
-            front_end.use_deepspeed_cpu_accelerator()
         # Fabric's DeepSpeedStrategy refuses anything but CUDA; the DDP set-up underneath works for CPU/gloo too.
-        DDPStrategy.setup_environment(self)
-        if self._layout is None:
-            self._layout = SequenceParallelLayout.build(self.root_device.type, self.sp_size, self.ring_size)
-        if self._runner is None:
-            self._runner = front_end.new_step_runner(
-                self._layout, self._models, self.root_device, ring_size=self.ring_size,
-                sdpa_per_document=self.sdpa_per_document, check_sp_agreement=self.check_sp_agreement,
-                gather_predictions=False, check_model_form=self.check_model_form)
-            self._steps = ForwardSteps(self._runner)
+        self._set_up_sequence_parallel(lambda: DDPStrategy.setup_environment(self), gather_predictions=False)
+        if self._steps is None:
+            self._steps = ForwardSteps(self.runner)
 
     @override
     def _setup_distributed(self) -> None:

@@ -7,9 +7,10 @@ share beyond calling those owners are here, once.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 
@@ -115,6 +116,24 @@ class SequenceParallelFrontEnd:
         self._models = PreparedModels()
         self._patches = PatchStack()  # every change to the user's objects and to other libraries, closed in teardown
         self._form_checks_before = 0  # model-form checks of the stages before the current one
+
+    def _set_up_sequence_parallel(self, set_up_processes: Callable[[], None], gather_predictions: bool) -> None:
+        """Both front ends' ``setup_environment``: the world checked, DeepSpeed put on CPU when Lightning runs there,
+        the process group set up (``set_up_processes``: the DDP set-up under Lightning's DeepSpeed one, which
+        refuses CPU), then the layout and the step runner built."""
+        spanning = check_world(self.sp_size, self.ring_size, self.num_nodes, self.num_processes)
+        if spanning is not None:
+            rank_zero_warn(spanning)
+        if self.root_device.type == "cpu":
+            use_deepspeed_cpu_accelerator()
+        set_up_processes()
+        if self._layout is None:
+            self._layout = SequenceParallelLayout.build(self.root_device.type, self.sp_size, self.ring_size)
+        if self._runner is None:
+            self._runner = new_step_runner(
+                self._layout, self._models, self.root_device, ring_size=self.ring_size,
+                sdpa_per_document=self.sdpa_per_document, check_sp_agreement=self.check_sp_agreement,
+                gather_predictions=gather_predictions, check_model_form=self.check_model_form)
 
     @property
     def sp_size(self) -> int:

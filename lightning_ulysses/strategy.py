@@ -20,11 +20,9 @@ from typing import Any, Generator, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
@@ -38,7 +36,6 @@ from lightning_ulysses.front_end import SequenceParallelFrontEnd
 from lightning_ulysses.models import memory
 from lightning_ulysses.models.refusals import refuse_tuning_callbacks
 from lightning_ulysses.parallel.attention import ModuleSelector
-from lightning_ulysses.parallel.layout import SequenceParallelLayout
 from lightning_ulysses.training.gradient_factor import verify_deepspeed_divisor
 
 
@@ -139,26 +136,14 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
-        spanning = front_end.check_world(self.sp_size, self.ring_size, self.num_nodes, self.num_processes)
-        if spanning is not None:
-            rank_zero_warn(spanning)
-        if isinstance(self.accelerator, CPUAccelerator):
-            front_end.use_deepspeed_cpu_accelerator()
         # Lightning's DeepSpeedStrategy refuses anything but CUDA; the DDP setup underneath works for CPU/gloo too.
-        DDPStrategy.setup_environment(self)
-        if self._layout is None:
-            self._layout = SequenceParallelLayout.build(self.root_device.type, self.sp_size, self.ring_size)
-        if self._runner is None:
-            self._runner = front_end.new_step_runner(
-                self._layout, self._models, self.root_device, ring_size=self.ring_size,
-                sdpa_per_document=self.sdpa_per_document, check_sp_agreement=self.check_sp_agreement,
-                gather_predictions=self.gather_predictions, check_model_form=self.check_model_form)
+        self._set_up_sequence_parallel(lambda: DDPStrategy.setup_environment(self), self.gather_predictions)
         if self.lightning_module is not None:
             _compat.set_device_mesh(self.lightning_module, self._layout.mesh)
 
     @override
     def setup_distributed(self) -> None:
-        if isinstance(self.accelerator, CPUAccelerator):
+        if self.root_device.type == "cpu":
             # CPU devices carry no index, so the parent's CUDA device-index check does not apply.
             from lightning.fabric.utilities.seed import reset_seed
 

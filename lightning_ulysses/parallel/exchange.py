@@ -277,7 +277,7 @@ def channel_to_sequence_shards(held: torch.Tensor, counts: Sequence[int], group:
     """The reverse of :func:`sequence_to_channel_shards`: ``[B, S, counts[rank]]`` (this rank's channels over the
     whole sequence) -> ``[B, s, sum(counts)]``, this rank's sequence shard of every rank's channels in rank order
     (differentiable; backward: the forward exchange)."""
-    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    sp = dist.get_world_size(group)
     B, S, n = held.shape
     s = S // sp
     send = held.view(B, sp, s, n).permute(1, 3, 0, 2)  # [sp(dest = seq chunk), n, B, s]
