@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from tests.scenarios.fabric import LR, build_model
 from tests.support.launcher import launch
 from tests.support.models import TokenDataset, lightning_order
+from tests.test_launchers import slurm_env
 
 
 def rel_diff(a, b) -> float:
@@ -93,7 +94,11 @@ def two(checkpoint_dir):
 
 @pytest.fixture(scope="module")
 def four(two, checkpoint_dir):
-    return launch(4, "fabric:run", {"cases": FOUR + [dict(RESUMED, load=str(checkpoint_dir))]}, timeout=900)
+    """4 processes as a SLURM job of 2 nodes × 2 tasks starts them (srun's variables, simulated on this machine)."""
+    job, tasks = slurm_env(nodes=2, tasks_per_node=2)
+    return launch(4, "fabric:run", {"cases": FOUR + [dict(RESUMED, load=str(checkpoint_dir))],
+                                    "fabric": {"devices": 2, "num_nodes": 2}},
+                  timeout=900, extra_env=job, per_rank_env=tasks)
 
 
 @pytest.mark.parametrize("case", TWO, ids=[c["name"] for c in TWO])
@@ -104,7 +109,11 @@ def test_a_fabric_script_trains_as_one_device(two, case):
 
 @pytest.mark.parametrize("case", FOUR, ids=[c["name"] for c in FOUR])
 def test_data_parallel_times_sequence_parallel_trains_as_one_device(four, case):
-    assert [rank[case["name"]]["dp_size"] for rank in four] == [2] * 4
+    """Under SLURM (2 nodes × 2 tasks): Fabric's SLURM environment, one SP group per node, dp across the nodes."""
+    results = [rank[case["name"]] for rank in four]
+    assert [r["dp_size"] for r in results] == [2] * 4
+    assert {r["cluster_environment"] for r in results} == {"SLURMEnvironment"}
+    assert [(r["node_rank"], r["sp_group"]) for r in results] == [(0, [0, 1])] * 2 + [(1, [2, 3])] * 2
     assert_trains_as_one_device(four, case, reference(case))
 
 

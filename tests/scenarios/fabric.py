@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
-import torch
-from torch.utils.data import DataLoader
+for _name in filter(None, os.environ.pop("ULYSSES_TEST_UNSET_ENV", "").split(",")):
+    os.environ.pop(_name, None)  # a simulated SLURM job carries no torchrun-style variables (tests/test_launchers.py)
 
-from tests.support.models import SEED, VOCAB, TokenDataset, build_llama, tiny_llama_config
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from tests.support.models import SEED, VOCAB, TokenDataset, build_llama, tiny_llama_config  # noqa: E402
 
 LAUNCH_WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 LR = 0.5
@@ -42,6 +46,9 @@ def loss_of(model_name: str, model: Any, batch: dict, strategy: Any) -> torch.Te
     return strategy.cross_entropy(logits, batch["shift_labels"])
 
 
+FABRIC_ARGS: dict = {}  # the payload's "fabric" arguments (devices, num_nodes); else one node of WORLD_SIZE devices
+
+
 def _fabric(case: dict):
     import lightning as L
 
@@ -55,7 +62,8 @@ def _fabric(case: dict):
     strategy = UlyssesDeepSpeedStrategy(sp_size=case["sp"], stage=case["stage"], **extra)
     if not case.get("clip"):  # Fabric leaves DeepSpeed's default, clipping at norm 1.0, which hides a wrong scale
         strategy.config["gradient_clipping"] = 0.0
-    fabric = L.Fabric(accelerator="cpu", devices=LAUNCH_WORLD_SIZE, strategy=strategy, precision="32-true")
+    arguments = FABRIC_ARGS or {"devices": LAUNCH_WORLD_SIZE}
+    fabric = L.Fabric(accelerator="cpu", strategy=strategy, precision="32-true", **arguments)
     fabric.launch()
     return fabric, strategy
 
@@ -77,7 +85,8 @@ def train(case: dict) -> dict:
     ``fabric.load`` first, then the batches it saw skipped, as a resuming script does."""
     from lightning.fabric import seed_everything
 
-    os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
+    if not FABRIC_ARGS:  # under the torchrun-style launch: Lightning's teardown may have removed it
+        os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
     seed_everything(SEED, verbose=False)
     fabric, strategy = _fabric(case)
     if case.get("gas"):
@@ -112,7 +121,9 @@ def train(case: dict) -> dict:
     if case.get("save"):
         fabric.save(case["save"], state)
     return {"losses": losses, "weights": _weights(fabric, model, case["stage"]),
-            "form_checks": strategy.form_checks_run, "dp_size": strategy.dp_size, "start": state["step"] - len(losses)}
+            "form_checks": strategy.form_checks_run, "dp_size": strategy.dp_size, "start": state["step"] - len(losses),
+            "cluster_environment": type(strategy.cluster_environment).__name__,
+            "sp_group": strategy.layout.sp_group_ranks(), "node_rank": strategy.node_rank}
 
 
 def refusals(payload: dict) -> dict:
@@ -155,6 +166,7 @@ def refusals(payload: dict) -> dict:
 
 
 def run(payload: dict) -> dict:
+    FABRIC_ARGS.update(payload.get("fabric", {}))
     results = {case["name"]: train(case) for case in payload.get("cases", [])}
     if payload.get("refusals"):
         results["refusals"] = refusals(payload)
