@@ -69,7 +69,8 @@ def _case(model: str, stage: int, **kw) -> dict:
             "batch": 2, "steps": 3, **kw}
 
 
-TWO = [_case("llama", 2), _case("llama", 3), dict(_case("llama", 2), name="llama-zero2-clip", clip=1.0),
+TWO = [_case("llama", 0), _case("llama", 1), _case("llama", 2), _case("llama", 3),
+       dict(_case("llama", 2), name="llama-zero2-clip", clip=1.0),
        _case("own", 2), _case("own", 3), _case("litgpt-pythia", 2), _case("litgpt-llama", 2),
        _case("litgpt-gemma", 2), _case("litgpt-llama", 3), _case("litgpt-llama3.1", 2), _case("litgpt-llama2-32k", 2),
        dict(_case("llama", 2), name="llama-zero2-accumulation", window=2, steps=4),
