@@ -73,13 +73,14 @@ TWO = [_case("llama", 0), _case("llama", 1), _case("llama", 2), _case("llama", 3
        dict(_case("llama", 2), name="llama-zero2-clip", clip=1.0),
        _case("own", 2), _case("own", 3), _case("litgpt-pythia", 2), _case("litgpt-llama", 2),
        _case("litgpt-gemma", 2), _case("litgpt-llama", 3), _case("litgpt-llama3.1", 2), _case("litgpt-llama2-32k", 2),
+       _case("litgpt-lora", 2), _case("litgpt-lora", 3),
        dict(_case("llama", 2), name="llama-zero2-accumulation", window=2, steps=4),
        dict(_case("llama", 3), name="llama-zero3-accumulation", window=2, steps=4)]
 SAVED = dict(_case("llama", 2), name="llama-saved", steps=2, rows=12)  # saved on 2 ranks (sp=2) ...
 RESUMED = dict(SAVED, name="llama-resumed", sp=4, steps=2)  # ... resumed on 4 (sp=4), the next 2 batches
 FOUR = [dict(_case("llama", stage), name=f"llama-dp2-zero{stage}", dp=2, rows=16) for stage in (2, 3)]
 REFUSALS = ["tokens_not_from_a_loader", "second_model", "litgpt_chunked_loss", "accumulation_config",
-            "second_backward_without_no_sync", "full_batch_evaluation"]
+            "second_backward_without_no_sync", "litgpt_adapter", "full_batch_evaluation"]
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +136,8 @@ def test_what_cannot_run_exactly_is_refused_on_every_rank(two, name):
                                             " tokens of shape [2, 32]",
                 "second_model": "ValueError: UlyssesDeepSpeedStrategy (Fabric) sets up one model per strategy",
                 "litgpt_chunked_loss": "SPLossMismatchError",
+                "litgpt_adapter": "ValueError: LitGPT GPT (tiny-llama-1.1b) (litgpt.adapter.GPT) computes attention in"
+                                  " litgpt.adapter.CausalSelfAttention",
                 "accumulation_config": "ValueError: UlyssesDeepSpeedStrategy (Fabric): the DeepSpeed config sets"
                                        " gradient_accumulation_steps=2",
                 "second_backward_without_no_sync": "ValueError: UlyssesDeepSpeedStrategy (Fabric): a second"

@@ -33,7 +33,9 @@ _SAVED = "_ulysses_litgpt_saved"
 
 
 def is_litgpt_gpt(module: nn.Module) -> bool:
-    return type(module).__module__ == "litgpt.model" and type(module).__name__ == "GPT" and hasattr(module, "cos")
+    """LitGPT's ``GPT`` or a subclass of it (``litgpt.lora.GPT``, ``litgpt.adapter.GPT``, ...)."""
+    return hasattr(module, "cos") and any(cls.__module__ == "litgpt.model" and cls.__name__ == "GPT"
+                                          for cls in type(module).__mro__)
 
 
 def find_litgpt_models(root: nn.Module) -> list[nn.Module]:
@@ -52,6 +54,17 @@ def _attention_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules()
             if any("scaled_dot_product_attention" in cls.__dict__ for cls in type(m).__mro__
                    if cls.__module__.startswith("litgpt"))]
+
+
+def changed_attention_kernels(model: nn.Module) -> list[str]:
+    """The attention classes of ``model`` whose ``scaled_dot_product_attention`` is not ``litgpt.model``'s own (e.g.
+    ``litgpt.adapter``'s, which adds attention to a learned prefix for the local heads)."""
+    changed = set()
+    for block in _attention_blocks(model):
+        owner = next(cls for cls in type(block).__mro__ if "scaled_dot_product_attention" in cls.__dict__)
+        if owner.__module__ != "litgpt.model":
+            changed.add(f"{owner.__module__}.{owner.__qualname__}")
+    return sorted(changed)
 
 
 def prepare_litgpt(model: nn.Module, context: StepContext) -> None:

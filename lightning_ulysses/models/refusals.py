@@ -34,6 +34,7 @@ from typing import Any, Iterator, Optional
 from torch import nn
 
 from lightning_ulysses import _compat
+from lightning_ulysses.models import litgpt
 from lightning_ulysses.models.hf_attention import ATTENTION_PREFIX, SUPPORTED_ATTENTION, attention_implementation
 from lightning_ulysses.models.mixers import find_sequence_mixers, is_sequence_mixer, uncovered_sequence_convolutions
 from lightning_ulysses.models.moe import has_load_balancing_loss
@@ -386,3 +387,11 @@ def validate_litgpt_model(model: nn.Module, sp_size: int, ring_size: int) -> Non
         raise ValueError(f"{name} has sliding-window layers (sliding_window_size={config.sliding_window_size}),"
                          " whose mask LitGPT builds for the local sequence: not supported under sequence"
                          " parallelism yet.")
+    changed = litgpt.changed_attention_kernels(model)
+    if changed:
+        raise ValueError(
+            f"{name} ({type(model).__module__}.{type(model).__name__}) computes attention in {', '.join(changed)},"
+            " not in LitGPT's own kernel (an adapter's prefix attention, sized for all heads): the strategy runs"
+            " LitGPT's kernel over the whole sequence on this rank's heads and cannot split another one. Supported:"
+            " litgpt.model.GPT (full fine-tuning, pretraining) and litgpt.lora.GPT (LoRA)."
+        )

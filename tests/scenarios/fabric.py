@@ -35,6 +35,34 @@ def build_model(model: str, seed: int = 0) -> torch.nn.Module:
         "litgpt-llama3.1": _litgpt("Llama-3.1-8B", n_query_groups=2, intermediate_size=96),  # rope_adjustments
         "litgpt-llama2-32k": _litgpt("LLaMA-2-7B-32K", n_query_groups=2, intermediate_size=96),  # condensed RoPE
     }
+    if model == "litgpt-lora":  # LitGPT's LoRA fine-tuning model: adapters on the query and value, base frozen
+        from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
+
+        config = Config.from_name("tiny-llama-1.1b", n_layer=2, n_embd=64, n_head=4, head_size=16, block_size=64,
+                                  vocab_size=VOCAB, padded_vocab_size=VOCAB, n_query_groups=2, intermediate_size=96,
+                                  lora_r=4, lora_alpha=8, lora_query=True, lora_value=True)
+        torch.manual_seed(seed)
+        lora = GPT(config)
+        lora.apply(lora._init_weights)
+        for name, parameter in lora.named_parameters():
+            if "lora_B" in name:  # LoRA starts at zero; a step from there shows where the gradients land
+                torch.nn.init.normal_(parameter, std=0.02)
+        mark_only_lora_as_trainable(lora)
+        return lora
+    if model == "litgpt-adapter":  # LitGPT's adapter fine-tuning model: learned prefix attention, base frozen
+        from litgpt.adapter import GPT, Config, mark_only_adapter_as_trainable
+
+        config = Config.from_name("tiny-llama-1.1b", n_layer=2, n_embd=64, n_head=4, head_size=16, block_size=64,
+                                  vocab_size=VOCAB, padded_vocab_size=VOCAB, n_query_groups=2, intermediate_size=96,
+                                  adapter_prompt_length=4, adapter_start_layer=0)
+        torch.manual_seed(seed)
+        adapter = GPT(config)
+        adapter.apply(adapter._init_weights)
+        for name, parameter in adapter.named_parameters():
+            if "gating_factor" in name:  # starts at zero; a step from there shows where the gradients land
+                torch.nn.init.normal_(parameter, std=0.02)
+        mark_only_adapter_as_trainable(adapter)
+        return adapter
     return {**LITGPT_FORMS, **extended_context}[model](seed)
 
 
@@ -132,7 +160,8 @@ def refusals(payload: dict) -> dict:
 
     results = {}
     for name in payload["refusals"]:
-        case = {"model": "llama" if name != "litgpt_chunked_loss" else "litgpt-pythia", "sp": 2, "stage": 2}
+        case = {"model": {"litgpt_chunked_loss": "litgpt-pythia", "litgpt_adapter": "litgpt-adapter"}.get(name, "llama"),
+                "sp": 2, "stage": 2}
         fabric, strategy = _fabric(case)
         model = build_model(case["model"])
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
