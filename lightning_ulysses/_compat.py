@@ -137,10 +137,12 @@ def move_state_into(source: dict, destination: dict, keys: set) -> None:
 
 
 def initialize_inference_engine(strategy: Any, model: torch.nn.Module, mpu: Any,
-                                after_hooks_removed: Callable[[], None]) -> Any:
+                                after_hooks_removed: Optional[Callable[[], None]]) -> Any:
     """The body of Lightning's ``DeepSpeedStrategy._initialize_deepspeed_inference`` with ``mpu`` added;
     ``after_hooks_removed()`` runs after Lightning's ``remove_module_hooks`` (the strategy installs its own
-    pre-hooks again there). Returns the engine."""
+    pre-hooks again there). ``None``: the module's hooks are left alone (Fabric's ``setup_module``, for which this
+    is the engine without an optimizer: ZeRO 1-2 need one, so only ZeRO-3's settings are passed on). Returns the
+    engine."""
     import deepspeed
 
     config = strategy.config
@@ -151,8 +153,9 @@ def initialize_inference_engine(strategy: Any, model: torch.nn.Module, mpu: Any,
     if strategy.zero_stage_3:
         inference_config["zero_allow_untested_optimizer"] = config["zero_allow_untested_optimizer"]
         inference_config["zero_optimization"] = config["zero_optimization"]
-    remove_module_hooks(model)
-    after_hooks_removed()
+    if after_hooks_removed is not None:
+        remove_module_hooks(model)
+        after_hooks_removed()
     engine, _, _, _ = deepspeed.initialize(
         args=_deepspeed_args(strategy),
         config=inference_config,

@@ -175,9 +175,11 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
 
     @override
     def setup_module(self, module: Module) -> Any:
-        """A model for evaluation only (no optimizer), prepared the same way."""
+        """A model for evaluation only (no optimizer), prepared the same way. Its engine takes only the precision and
+        ZeRO-3's settings from the config (ZeRO 1-2 partition optimizer state, and DeepSpeed refuses them without an
+        optimizer; Fabric's own strategy fails there), as the Trainer's strategy builds its evaluation engine."""
         self._prepare(module)
-        engine, _, _ = self._initialize_engine(module)
+        engine = _compat.initialize_inference_engine(self, module, self.layout.deepspeed_mpu(), None)
         self._deepspeed_engine = engine
         self._attach_steps(engine)
         return engine

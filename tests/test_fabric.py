@@ -80,7 +80,8 @@ SAVED = dict(_case("llama", 2), name="llama-saved", steps=2, rows=12)  # saved o
 RESUMED = dict(SAVED, name="llama-resumed", sp=4, steps=2)  # ... resumed on 4 (sp=4), the next 2 batches
 FOUR = [dict(_case("llama", stage), name=f"llama-dp2-zero{stage}", dp=2, rows=16) for stage in (2, 3)]
 REFUSALS = ["tokens_not_from_a_loader", "second_model", "litgpt_chunked_loss", "accumulation_config",
-            "second_backward_without_no_sync", "litgpt_adapter", "full_batch_evaluation"]
+            "second_backward_without_no_sync", "litgpt_adapter", "full_batch_evaluation", "evaluation_only",
+            "evaluation_only_zero3"]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,7 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_four(two, four, checkpoint_d
     assert_trains_as_one_device(four, RESUMED, expected, losses=slice(SAVED["steps"], None))
 
 
-@pytest.mark.parametrize("name", REFUSALS[:-1])
+@pytest.mark.parametrize("name", REFUSALS[:-3])
 def test_what_cannot_run_exactly_is_refused_on_every_rank(two, name):
     expected = {"tokens_not_from_a_loader": "ValueError: UlyssesDeepSpeedStrategy (Fabric): the model was called on"
                                             " tokens of shape [2, 32]",
@@ -170,3 +171,15 @@ def test_a_full_batch_outside_the_loaders_is_evaluated_as_one_device(two):
     got = torch.cat([torch.tensor(rank["refusals"]["full_batch_evaluation"]) for rank in two], dim=1)  # [B, S]
     assert got.shape == (2, 32) and bool((got[:, -1] == 0).all())  # the last position has no target
     assert rel_diff(got[:, :-1], expected) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["evaluation_only", "evaluation_only_zero3"])
+def test_a_model_set_up_for_evaluation_only_gives_one_devices_losses(two, name):
+    """``fabric.setup_module(model)`` (no optimizer) and ``model(**batch).loss`` under ``torch.no_grad()``, at ZeRO 2
+    (Fabric's own strategy cannot build that engine) and 3."""
+    rows = TokenDataset(4, 32).rows
+    model = build_model("llama").eval()
+    with torch.no_grad():
+        expected = [model(input_ids=rows[i:i + 2], labels=rows[i:i + 2]).loss.item() for i in (0, 2)]
+    for rank in two:
+        assert rel_diff(rank["refusals"][name], expected) <= 1e-5

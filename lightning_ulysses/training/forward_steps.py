@@ -33,11 +33,12 @@ from lightning_ulysses.data.loaders import LoaderLayer, ShardInfoQueue
 from lightning_ulysses.training.step_runner import StepRunner
 
 KEEP = 16  # batches handed out and not used yet that are remembered (the oldest are forgotten first)
+STEP_KEYS = ("input_ids", "position_ids", "attention_mask", "shift_labels")  # what a step reads of its batch
 
 
 @dataclass
 class RecordedBatch:
-    """A batch a set-up loader handed out: its facts and the shard's tensors as the loader gave them."""
+    """A batch a set-up loader handed out: its facts and the shard's token tensors as the loader gave them."""
 
     shard: ShardInfo
     batch: dict[str, Any]
@@ -58,7 +59,8 @@ class ForwardSteps:
         self._entered: list[bool] = []  # per forward pass in progress: whether it set the context's in_step
 
     def record(self, shard: ShardInfo, batch: dict[str, Any]) -> None:
-        self.unused.append(RecordedBatch(shard, batch))
+        kept = {key: batch[key] for key in STEP_KEYS if key in batch}  # not the pixels of a vision batch
+        self.unused.append(RecordedBatch(shard, kept))
         while len(self.unused) > KEEP:
             self.unused.popleft()
 

@@ -161,13 +161,20 @@ def refusals(payload: dict) -> dict:
     results = {}
     for name in payload["refusals"]:
         case = {"model": {"litgpt_chunked_loss": "litgpt-pythia", "litgpt_adapter": "litgpt-adapter"}.get(name, "llama"),
-                "sp": 2, "stage": 2}
+                "sp": 2, "stage": 3 if name.endswith("zero3") else 2}
         fabric, strategy = _fabric(case)
         model = build_model(case["model"])
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         try:
             if name == "accumulation_config":  # DeepSpeed's own window, which Fabric's optimizer step bypasses
                 strategy.config["gradient_accumulation_steps"] = 2
+            if name.startswith("evaluation_only"):  # not refused: `fabric.setup_module`, no optimizer, its own loss
+                model = fabric.setup_module(model)
+                loader = fabric.setup_dataloaders(DataLoader(TokenDataset(4, 32), batch_size=2))
+                model.eval()
+                with torch.no_grad():
+                    results[name] = [model(**batch).loss.item() for batch in loader]
+                continue
             model, optimizer = fabric.setup(model, optimizer)
             loader = fabric.setup_dataloaders(DataLoader(TokenDataset(4, 32), batch_size=2))
             batch = next(iter(loader))
