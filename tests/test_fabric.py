@@ -91,8 +91,11 @@ def checkpoint_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two(checkpoint_dir):
+    """2 processes as torchrun starts them (its variables, TORCHELASTIC_RUN_ID included: Fabric's torchelastic
+    environment)."""
     cases = TWO + [dict(SAVED, save=str(checkpoint_dir))]
-    return launch(2, "fabric:run", {"cases": cases, "refusals": REFUSALS}, timeout=900)
+    return launch(2, "fabric:run", {"cases": cases, "refusals": REFUSALS}, timeout=900,
+                  extra_env={"TORCHELASTIC_RUN_ID": "fabric-test", "GROUP_RANK": "0"})
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +111,7 @@ def four(two, checkpoint_dir):
 def test_a_fabric_script_trains_as_one_device(two, case):
     assert_trains_as_one_device(two, case, reference(case))
     assert [rank[case["name"]]["form_checks"] for rank in two] == [1, 1]  # the model-form check ran, and passed
+    assert {rank[case["name"]]["cluster_environment"] for rank in two} == {"TorchElasticEnvironment"}
 
 
 @pytest.mark.parametrize("case", FOUR, ids=[c["name"] for c in FOUR])
