@@ -40,6 +40,19 @@ def test_sp2_on_cuda_matches_single_device(attn):
 
 
 @TWO_GPUS
+@pytest.mark.parametrize("model", ["llama", "litgpt-llama"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fabric_on_cuda_matches_single_device(model, stage):
+    """The Fabric front end on 2 GPUs (nccl, batches moved to the GPU by Fabric's loader), fp32, a Hugging Face and a
+    LitGPT model. CPU path: tests/test_fabric.py."""
+    from tests.test_fabric import _case, assert_trains_as_one_device, reference
+
+    case = dict(_case(model, stage), accelerator="cuda")
+    results = launch(2, "fabric:run", {"cases": [case]}, extra_env=CUDA)
+    assert_trains_as_one_device(results, case, reference(case))
+
+
+@TWO_GPUS
 @pytest.mark.parametrize("stage", [2, 3])
 def test_ring_on_cuda_matches_single_device(stage):
     """Ring 2 × Ulysses 1 on 2 GPUs (nccl point-to-point passes, the memory-efficient block kernel), for models built

@@ -91,7 +91,7 @@ def _fabric(case: dict):
     if not case.get("clip"):  # Fabric leaves DeepSpeed's default, clipping at norm 1.0, which hides a wrong scale
         strategy.config["gradient_clipping"] = 0.0
     arguments = FABRIC_ARGS or {"devices": LAUNCH_WORLD_SIZE}
-    fabric = L.Fabric(accelerator="cpu", strategy=strategy, precision="32-true", **arguments)
+    fabric = L.Fabric(accelerator=case.get("accelerator", "cpu"), strategy=strategy, precision="32-true", **arguments)
     fabric.launch()
     return fabric, strategy
 
