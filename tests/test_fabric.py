@@ -81,7 +81,7 @@ RESUMED = dict(SAVED, name="llama-resumed", sp=4, steps=2)  # ... resumed on 4 (
 FOUR = [dict(_case("llama", stage), name=f"llama-dp2-zero{stage}", dp=2, rows=16) for stage in (2, 3)]
 REFUSALS = ["tokens_not_from_a_loader", "second_model", "litgpt_chunked_loss", "accumulation_config",
             "second_backward_without_no_sync", "litgpt_adapter", "full_batch_evaluation", "evaluation_only",
-            "evaluation_only_zero3"]
+            "evaluation_only_zero3", "litgpt_generation"]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_four(two, four, checkpoint_d
     assert_trains_as_one_device(four, RESUMED, expected, losses=slice(SAVED["steps"], None))
 
 
-@pytest.mark.parametrize("name", REFUSALS[:-3])
+@pytest.mark.parametrize("name", REFUSALS[:-4])
 def test_what_cannot_run_exactly_is_refused_on_every_rank(two, name):
     expected = {"tokens_not_from_a_loader": "ValueError: UlyssesDeepSpeedStrategy (Fabric): the model was called on"
                                             " tokens of shape [2, 32]",
@@ -187,3 +187,14 @@ def test_a_model_set_up_for_evaluation_only_gives_one_devices_losses(two, name):
         expected = [model(input_ids=rows[i:i + 2], labels=rows[i:i + 2]).loss.item() for i in (0, 2)]
     for rank in two:
         assert rel_diff(rank["refusals"][name], expected) <= 1e-5
+
+
+def test_litgpt_generation_with_its_kv_cache_runs_plain_as_on_one_device(two):
+    """``litgpt.generate`` (``model(x, input_pos)``) on the Fabric-wrapped model after a step: not a step, the whole
+    prompt on each rank, greedy tokens as one device's."""
+    from litgpt.generate.base import generate
+
+    model = build_model("litgpt-llama").eval()
+    model.set_kv_cache(batch_size=1)
+    expected = generate(model, torch.tensor([5, 6, 7, 8]), max_returned_tokens=12, temperature=0.0).tolist()
+    assert [rank["refusals"]["litgpt_generation"] for rank in two] == [expected, expected]

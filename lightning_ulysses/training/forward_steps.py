@@ -22,6 +22,7 @@ next step begins; the models run sequence-parallel only inside the forward pass 
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -67,7 +68,7 @@ class ForwardSteps:
     # ------------------------------------------------------------------------------------------ engine hooks
     def before_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
         context = self.runner.context
-        if context.in_step or context.plain or kwargs.get("input_pos") is not None:
+        if context.in_step or context.plain or _given_input_pos(getattr(module, "module", module), args, kwargs):
             self._entered.append(False)  # inside another step's call (form check, evaluate_full_batch), or generation
             return
         tokens = _token_tensor(args, kwargs)
@@ -93,6 +94,18 @@ class ForwardSteps:
             if _same_rows(tokens, entry.tokens):
                 return entry
         raise ValueError(unmatched_call_error(tokens, self.current, len(self.unused)))
+
+
+def _given_input_pos(model: Any, args: tuple, kwargs: dict) -> bool:
+    """The call passes ``input_pos`` (LitGPT's KV-cache path, e.g. ``litgpt.generate``'s ``model(x, input_pos)``),
+    by name or by position in ``model.forward``'s signature."""
+    if kwargs.get("input_pos") is not None:
+        return True
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return bound.arguments.get("input_pos") is not None
 
 
 def _token_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:

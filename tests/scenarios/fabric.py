@@ -160,7 +160,8 @@ def refusals(payload: dict) -> dict:
 
     results = {}
     for name in payload["refusals"]:
-        case = {"model": {"litgpt_chunked_loss": "litgpt-pythia", "litgpt_adapter": "litgpt-adapter"}.get(name, "llama"),
+        case = {"model": {"litgpt_chunked_loss": "litgpt-pythia", "litgpt_adapter": "litgpt-adapter",
+                          "litgpt_generation": "litgpt-llama"}.get(name, "llama"),
                 "sp": 2, "stage": 3 if name.endswith("zero3") else 2}
         fabric, strategy = _fabric(case)
         model = build_model(case["model"])
@@ -180,6 +181,15 @@ def refusals(payload: dict) -> dict:
             batch = next(iter(loader))
             if name == "tokens_not_from_a_loader":  # a full batch made in the loop
                 model(input_ids=torch.randint(1, VOCAB, (2, 32)))
+            elif name == "litgpt_generation":  # not refused: LitGPT's KV-cache generation runs plain, after a step
+                fabric.backward(strategy.cross_entropy(model(batch["input_ids"]), batch["shift_labels"]))
+                optimizer.zero_grad()  # no step: the weights stay the initial ones
+                from litgpt.generate.base import generate
+
+                model.module.set_kv_cache(batch_size=1)
+                results[name] = generate(model, torch.tensor([5, 6, 7, 8]), max_returned_tokens=12,
+                                         temperature=0.0).tolist()
+                continue
             elif name == "second_model":
                 fabric.setup(build_model("llama"), torch.optim.SGD(model.parameters(), lr=LR))
             elif name == "litgpt_chunked_loss":  # LitGPT's recipe on the shard: a per-shard mean, its own shift
