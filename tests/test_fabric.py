@@ -81,7 +81,7 @@ RESUMED = dict(SAVED, name="llama-resumed", sp=4, steps=2)  # ... resumed on 4 (
 FOUR = [dict(_case("llama", stage), name=f"llama-dp2-zero{stage}", dp=2, rows=16) for stage in (2, 3)]
 REFUSALS = ["tokens_not_from_a_loader", "second_model", "litgpt_chunked_loss", "accumulation_config",
             "second_backward_without_no_sync", "litgpt_adapter", "full_batch_evaluation", "evaluation_only",
-            "evaluation_only_zero3", "litgpt_generation"]
+            "evaluation_only_zero3", "litgpt_generation", "teardown"]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_four(two, four, checkpoint_d
     assert_trains_as_one_device(four, RESUMED, expected, losses=slice(SAVED["steps"], None))
 
 
-@pytest.mark.parametrize("name", REFUSALS[:-4])
+@pytest.mark.parametrize("name", REFUSALS[:-5])
 def test_what_cannot_run_exactly_is_refused_on_every_rank(two, name):
     expected = {"tokens_not_from_a_loader": "ValueError: UlyssesDeepSpeedStrategy (Fabric): the model was called on"
                                             " tokens of shape [2, 32]",
@@ -198,3 +198,13 @@ def test_litgpt_generation_with_its_kv_cache_runs_plain_as_on_one_device(two):
     model.set_kv_cache(batch_size=1)
     expected = generate(model, torch.tensor([5, 6, 7, 8]), max_returned_tokens=12, temperature=0.0).tolist()
     assert [rank["refusals"]["litgpt_generation"] for rank in two] == [expected, expected]
+
+
+def test_teardown_gives_back_everything_the_strategy_changed(two):
+    """Fabric has no end-of-run hook; ``fabric.strategy.teardown()`` puts the model's attention, the loader's collate
+    function and the engine's hooks back."""
+    for rank in two:
+        result = rank["refusals"]["teardown"]
+        assert result["during"]["attention"].startswith("ulysses_"), result
+        assert result["during"]["collate"] == "SequenceShardingCollate" and result["during"]["engine_hooks"] == 2
+        assert result["after"] == {"attention": "sdpa", "collate": "function", "engine_hooks": 0}, result

@@ -190,6 +190,18 @@ def refusals(payload: dict) -> dict:
                 results[name] = generate(model, torch.tensor([5, 6, 7, 8]), max_returned_tokens=12,
                                          temperature=0.0).tolist()
                 continue
+            elif name == "teardown":  # not refused: everything the strategy changed is given back
+                fabric.backward(model(**batch).loss)
+                hf_model, engine = model.module, strategy.deepspeed_engine
+                during = {"attention": hf_model.config._attn_implementation,
+                          "collate": type(loader._dataloader.dataloader.collate_fn).__name__,
+                          "engine_hooks": len(engine._forward_pre_hooks) + len(engine._forward_hooks)}
+                strategy.teardown()
+                after = {"attention": hf_model.config._attn_implementation,
+                         "collate": type(loader._dataloader.dataloader.collate_fn).__name__,
+                         "engine_hooks": len(engine._forward_pre_hooks) + len(engine._forward_hooks)}
+                results[name] = {"during": during, "after": after}
+                continue
             elif name == "second_model":
                 fabric.setup(build_model("llama"), torch.optim.SGD(model.parameters(), lr=LR))
             elif name == "litgpt_chunked_loss":  # LitGPT's recipe on the shard: a per-shard mean, its own shift
