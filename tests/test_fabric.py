@@ -80,7 +80,7 @@ SAVED = dict(_case("llama", 2), name="llama-saved", steps=2, rows=12)  # saved o
 RESUMED = dict(SAVED, name="llama-resumed", sp=4, steps=2)  # ... resumed on 4 (sp=4), the next 2 batches
 FOUR = [dict(_case("llama", stage), name=f"llama-dp2-zero{stage}", dp=2, rows=16) for stage in (2, 3)]
 REFUSALS = ["tokens_not_from_a_loader", "second_model", "litgpt_chunked_loss", "accumulation_config",
-            "second_backward_without_no_sync", "litgpt_adapter", "full_batch_evaluation", "evaluation_only",
+            "second_backward_without_no_sync", "litgpt_adapter", "peers_read_different_batches", "full_batch_evaluation", "evaluation_only",
             "evaluation_only_zero3", "litgpt_generation", "teardown"]
 
 
@@ -141,6 +141,7 @@ def test_what_cannot_run_exactly_is_refused_on_every_rank(two, name):
                                             " tokens of shape [2, 32]",
                 "second_model": "ValueError: UlyssesDeepSpeedStrategy (Fabric) sets up one model per strategy",
                 "litgpt_chunked_loss": "SPLossMismatchError",
+                "peers_read_different_batches": "SPPeerMismatchError",
                 "litgpt_adapter": "ValueError: LitGPT GPT (tiny-llama-1.1b) (litgpt.adapter.GPT) computes attention in"
                                   " litgpt.adapter.CausalSelfAttention",
                 "accumulation_config": "ValueError: UlyssesDeepSpeedStrategy (Fabric): the DeepSpeed config sets"

@@ -177,7 +177,8 @@ def refusals(payload: dict) -> dict:
                     results[name] = [model(**batch).loss.item() for batch in loader]
                 continue
             model, optimizer = fabric.setup(model, optimizer)
-            loader = fabric.setup_dataloaders(DataLoader(TokenDataset(4, 32), batch_size=2))
+            seed = 7 + fabric.global_rank if name == "peers_read_different_batches" else 7  # a per-rank data seed
+            loader = fabric.setup_dataloaders(DataLoader(TokenDataset(4, 32, seed=seed), batch_size=2))
             batch = next(iter(loader))
             if name == "tokens_not_from_a_loader":  # a full batch made in the loop
                 model(input_ids=torch.randint(1, VOCAB, (2, 32)))
@@ -202,6 +203,8 @@ def refusals(payload: dict) -> dict:
                          "engine_hooks": len(engine._forward_pre_hooks) + len(engine._forward_hooks)}
                 results[name] = {"during": during, "after": after}
                 continue
+            elif name == "peers_read_different_batches":  # the SP peers hold shards of different sequences
+                model(**batch)
             elif name == "second_model":
                 fabric.setup(build_model("llama"), torch.optim.SGD(model.parameters(), lr=LR))
             elif name == "litgpt_chunked_loss":  # LitGPT's recipe on the shard: a per-shard mean, its own shift
@@ -218,7 +221,8 @@ def refusals(payload: dict) -> dict:
                 fabric.backward(model(**batch).loss / 2)
                 fabric.backward(model(**batch).loss / 2)
             results[name] = "no error"
-        except (ValueError, RuntimeError, lightning_ulysses.SPLossMismatchError) as err:
+        except (ValueError, RuntimeError, lightning_ulysses.SPLossMismatchError,
+                lightning_ulysses.SPPeerMismatchError) as err:
             results[name] = f"{type(err).__name__}: {err}"
     return results
 
