@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.scenarios.fabric import LR, build_model
+from tests.scenarios.fabric import LR, InstructionDataset, build_model, sft_collate
 from tests.support.launcher import launch
 from tests.support.models import TokenDataset, lightning_order
 from tests.test_launchers import slurm_env
@@ -32,16 +32,21 @@ def reference(case: dict, steps: int = 0) -> dict:
     model = build_model(case["model"])
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    dataset = TokenDataset(case["rows"], case["seq_len"])
+    dataset = InstructionDataset(case["rows"]) if case.get("sft") else TokenDataset(case["rows"], case["seq_len"])
     order, dp, gas = lightning_order(len(dataset)), case.get("dp", 1), case.get("gas", case.get("window", 1))
     per_replica = [order[r::dp] for r in range(dp)]
     losses = []
     for step in range(steps or case["steps"]):
         rows = [dataset[i] for replica in per_replica for i in replica[step * case["batch"]:(step + 1) * case["batch"]]]
-        ids = torch.stack([r["input_ids"] for r in rows])
-        if case["model"] == "llama":
+        if case.get("sft"):  # LitGPT's fine-tuning loss on one device: its own shift, the prompt masked
+            batch = sft_collate()(rows)
+            logits = model(batch["input_ids"])
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+        elif case["model"] == "llama":
+            ids = torch.stack([r["input_ids"] for r in rows])
             loss = model(input_ids=ids, labels=ids).loss
         else:
+            ids = torch.stack([r["input_ids"] for r in rows])
             logits = model(ids)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         (loss / gas).backward()
@@ -74,6 +79,7 @@ TWO = [_case("llama", 0), _case("llama", 1), _case("llama", 2), _case("llama", 3
        _case("own", 2), _case("own", 3), _case("litgpt-pythia", 2), _case("litgpt-llama", 2),
        _case("litgpt-gemma", 2), _case("litgpt-llama", 3), _case("litgpt-llama3.1", 2), _case("litgpt-llama2-32k", 2),
        _case("litgpt-lora", 2), _case("litgpt-lora", 3),
+       dict(_case("litgpt-lora", 2), name="litgpt-lora-sft", sft=True),  # LitGPT's fine-tuning data and collate
        dict(_case("llama", 2), name="llama-zero2-accumulation", window=2, steps=4),
        dict(_case("llama", 3), name="llama-zero3-accumulation", window=2, steps=4)]
 SAVED = dict(_case("llama", 2), name="llama-saved", steps=2, rows=12)  # saved on 2 ranks (sp=2) ...

@@ -66,6 +66,32 @@ def build_model(model: str, seed: int = 0) -> torch.nn.Module:
     return {**LITGPT_FORMS, **extended_context}[model](seed)
 
 
+class InstructionDataset(torch.utils.data.Dataset):
+    """LitGPT fine-tuning samples: variable lengths, the prompt's labels masked (-100), ``token_counts`` as LitGPT's
+    SFT datasets give them; batched by LitGPT's own ``get_sft_collate_fn`` (right padding)."""
+
+    def __init__(self, num_rows: int, seed: int = 11) -> None:
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(20, 33, (num_rows,), generator=g).tolist()
+        self.rows = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        ids = self.rows[i]
+        labels = ids.clone()
+        labels[:6] = -100  # the prompt
+        return {"input_ids": ids, "labels": labels, "token_counts": {"raw": len(ids) - 6,
+                                                                      "raw_plus_prompt_template": len(ids)}}
+
+
+def sft_collate():
+    from litgpt.data.base import get_sft_collate_fn
+
+    return get_sft_collate_fn(max_seq_length=32, pad_id=0, ignore_index=-100)
+
+
 def loss_of(model_name: str, model: Any, batch: dict, strategy: Any) -> torch.Tensor:
     """The step a user writes: a Hugging Face model's own loss; logits and the strategy's loss otherwise."""
     if model_name == "llama":
@@ -122,8 +148,12 @@ def train(case: dict) -> dict:
     model = build_model(case["model"])
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = fabric.setup(model, optimizer)
-    dataset = TokenDataset(case["rows"], case["seq_len"])
-    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=case["batch"], shuffle=True))
+    if case.get("sft"):  # LitGPT's fine-tuning data path: its dataset format and its collate function
+        loader = DataLoader(InstructionDataset(case["rows"]), batch_size=case["batch"], shuffle=True,
+                            collate_fn=sft_collate())
+    else:
+        loader = DataLoader(TokenDataset(case["rows"], case["seq_len"]), batch_size=case["batch"], shuffle=True)
+    loader = fabric.setup_dataloaders(loader)
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if case.get("load"):
         remainder = fabric.load(case["load"], state)
