@@ -29,7 +29,12 @@ def reference(case: dict, steps: int = 0) -> dict:
     """One device: the same model, the same sample order (Fabric's DistributedSampler over the dp replicas, shuffled
     with the global seed), SGD on each global batch's mean loss (with ``"gas"``: the micro-batches' means averaged
     over each accumulation window, as DeepSpeed divides them). ``steps``: micro-batches, if not ``case["steps"]``."""
-    model = build_model(case["model"])
+    if case.get("pretrained"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(case["pretrained"], attn_implementation="sdpa")
+    else:
+        model = build_model(case["model"])
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     dataset = InstructionDataset(case["rows"]) if case.get("sft") else TokenDataset(case["rows"], case["seq_len"])
@@ -96,10 +101,22 @@ def checkpoint_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two(checkpoint_dir):
+def pretrained(tmp_path_factory):
+    """A Hugging Face checkpoint on disk (``save_pretrained`` of the tiny Llama), nothing downloaded."""
+    path = tmp_path_factory.mktemp("fabric") / "pretrained-llama"
+    build_model("llama", seed=3).save_pretrained(path)
+    return str(path)
+
+
+# ZeRO-3 fine-tuning as Fabric documents it: the weights loaded partitioned inside fabric.init_module().
+FROM_PRETRAINED = dict(_case("llama", 3), name="llama-zero3-from-pretrained")
+
+
+@pytest.fixture(scope="module")
+def two(checkpoint_dir, pretrained):
     """2 processes as torchrun starts them (its variables, TORCHELASTIC_RUN_ID included: Fabric's torchelastic
     environment)."""
-    cases = TWO + [dict(SAVED, save=str(checkpoint_dir))]
+    cases = TWO + [dict(SAVED, save=str(checkpoint_dir)), dict(FROM_PRETRAINED, pretrained=pretrained)]
     return launch(2, "fabric:run", {"cases": cases, "refusals": REFUSALS}, timeout=900,
                   extra_env={"TORCHELASTIC_RUN_ID": "fabric-test", "GROUP_RANK": "0"})
 
@@ -215,3 +232,10 @@ def test_teardown_gives_back_everything_the_strategy_changed(two):
         assert result["during"]["attention"].startswith("ulysses_"), result
         assert result["during"]["collate"] == "SequenceShardingCollate" and result["during"]["engine_hooks"] == 2
         assert result["after"] == {"attention": "sdpa", "collate": "function", "engine_hooks": 0}, result
+
+
+def test_from_pretrained_inside_init_module_at_zero3_fine_tunes_as_one_device(two, pretrained):
+    """``with fabric.init_module(): AutoModelForCausalLM.from_pretrained(...)`` at ZeRO 3: the weights are loaded
+    partitioned (transformers told that ZeRO-3 is active), then trained exactly."""
+    case = dict(FROM_PRETRAINED, pretrained=pretrained)
+    assert_trains_as_one_device(two, case, reference(case))

@@ -145,7 +145,13 @@ def train(case: dict) -> dict:
     fabric, strategy = _fabric(case)
     if case.get("gas"):
         strategy.config["gradient_accumulation_steps"] = case["gas"]
-    model = build_model(case["model"])
+    if case.get("pretrained"):  # a checkpoint loaded as Fabric documents it: inside fabric.init_module()
+        from transformers import AutoModelForCausalLM
+
+        with fabric.init_module():
+            model = AutoModelForCausalLM.from_pretrained(case["pretrained"], attn_implementation="sdpa")
+    else:
+        model = build_model(case["model"])
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = fabric.setup(model, optimizer)
     if case.get("sft"):  # LitGPT's fine-tuning data path: its dataset format and its collate function
