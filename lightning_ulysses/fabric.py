@@ -6,7 +6,7 @@ Fabric scripts (and LitGPT, which is written on Fabric).
     model, optimizer = fabric.setup(model, optimizer)     # attention (and mixers) switched to Ulysses
     loader = fabric.setup_dataloaders(loader)             # every rank gets its shard of each sequence
     for batch in loader:
-        loss = model(**batch).loss                        # or fabric.strategy.cross_entropy(logits, batch["shift_labels"])
+        loss = model(**batch).loss                        # or strategy.cross_entropy(logits, batch["shift_labels"])
         fabric.backward(loss)                             # one device's gradients, at ZeRO 0-3
         optimizer.step(); optimizer.zero_grad()
 

@@ -54,21 +54,6 @@ def use_deepspeed_cpu_accelerator() -> None:
         set_accelerator(CPU_Accelerator())
 
 
-def new_step_runner(layout: SequenceParallelLayout, models: PreparedModels, device: torch.device, *,
-                    ring_size: int, sdpa_per_document: bool, check_sp_agreement: bool, gather_predictions: bool,
-                    check_model_form: bool) -> StepRunner:
-    """The step runner of one stage (Trainer) or one set-up (Fabric), with the gradient factors of the DeepSpeed
-    config as it is now (completed by :func:`complete_gradient_factors` once the config is final)."""
-    context = StepContext(sp_group=layout.sp_group, ulysses_group=layout.ulysses_group,
-                          ring_group=layout.ring_group, ring_size=ring_size,
-                          sdpa_per_document=sdpa_per_document, incoming_gradients=[],
-                          gradients=GradientFactors(layout.dp_size, layout.sp_size))
-    agreement = (SPAgreement(layout.sp_group, layout.sp_group_ranks(), device)
-                 if check_sp_agreement and layout.sp_size > 1 else None)
-    return StepRunner(layout, context, models, agreement, device, agree_on_tile_counts=False,
-                      gather_predictions=gather_predictions, check_model_form=check_model_form)
-
-
 def complete_gradient_factors(runner: StepRunner, config: Mapping[str, Any], layout: SequenceParallelLayout,
                               accumulation: int, zero_stage_3: bool, tiles_follow_length: bool) -> None:
     """The step context's gradient factors and ZeRO-3 facts from the final DeepSpeed config. ``accumulation``: how
@@ -129,11 +114,18 @@ class SequenceParallelFrontEnd:
         set_up_processes()
         if self._layout is None:
             self._layout = SequenceParallelLayout.build(self.root_device.type, self.sp_size, self.ring_size)
-        if self._runner is None:
-            self._runner = new_step_runner(
-                self._layout, self._models, self.root_device, ring_size=self.ring_size,
-                sdpa_per_document=self.sdpa_per_document, check_sp_agreement=self.check_sp_agreement,
-                gather_predictions=gather_predictions, check_model_form=self.check_model_form)
+        if self._runner is None:  # one per stage (Trainer) or per set-up (Fabric); its gradient factors are
+            # completed by complete_gradient_factors once the DeepSpeed config is final
+            layout = self._layout
+            context = StepContext(sp_group=layout.sp_group, ulysses_group=layout.ulysses_group,
+                                  ring_group=layout.ring_group, ring_size=self.ring_size,
+                                  sdpa_per_document=self.sdpa_per_document, incoming_gradients=[],
+                                  gradients=GradientFactors(layout.dp_size, layout.sp_size))
+            agreement = (SPAgreement(layout.sp_group, layout.sp_group_ranks(), self.root_device)
+                         if self.check_sp_agreement and layout.sp_size > 1 else None)
+            self._runner = StepRunner(layout, context, self._models, agreement, self.root_device,
+                                      agree_on_tile_counts=False, gather_predictions=gather_predictions,
+                                      check_model_form=self.check_model_form)
 
     @property
     def sp_size(self) -> int:
@@ -146,7 +138,8 @@ class SequenceParallelFrontEnd:
     def layout(self) -> SequenceParallelLayout:
         """The DP×SP layout (mesh, groups, ranks); exists once the process group is set up."""
         if self._layout is None:
-            raise RuntimeError("The sequence-parallel layout exists only after the Trainer or Fabric has set up the processes.")
+            raise RuntimeError("The sequence-parallel layout exists only after the Trainer or Fabric has set up the"
+                               " processes.")
         return self._layout
 
     @property
@@ -170,13 +163,11 @@ class SequenceParallelFrontEnd:
     def dp_size(self) -> int:
         return self.layout.dp_size
 
-
     @property
     def runner(self) -> StepRunner:
         if self._runner is None:
             raise RuntimeError("The step context exists once the Trainer or Fabric has set up the strategy.")
         return self._runner
-
 
     @property
     def step_context(self) -> StepContext:
