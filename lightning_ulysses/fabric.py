@@ -92,9 +92,12 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
 
     Args: as the Trainer's :class:`lightning_ulysses.UlyssesDeepSpeedStrategy` (``sp_size``, ``ring_size``,
     ``sdpa_per_document``, ``attention_modules``, ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints``,
-    ``check_sp_agreement``, ``verify_checkpoints``, ``check_model_form``), and every argument of Fabric's
-    :class:`~lightning.fabric.strategies.DeepSpeedStrategy` (``stage``, ``config``, ...) as keywords.
+    ``check_sp_agreement``, ``verify_checkpoints``, ``check_model_form``, ``allow_untested_versions``), and every
+    argument of Fabric's :class:`~lightning.fabric.strategies.DeepSpeedStrategy` (``stage``, ``config``, ...) as
+    keywords.
     """
+
+    _front_end_name = "fabric"  # the drift check runs Fabric's touch points
 
     def __init__(
         self,
@@ -108,12 +111,14 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         verify_checkpoints: bool = True,
         ring_size: int = 1,
         check_model_form: bool = True,
+        allow_untested_versions: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._init_sequence_parallel(sp_size, ring_size, sdpa_per_document, attention_modules,
                                      memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints),
-                                     check_sp_agreement, verify_checkpoints, check_model_form)
+                                     check_sp_agreement, verify_checkpoints, check_model_form,
+                                     allow_untested_versions)
         self._steps: Optional[ForwardSteps] = None
         self._module: Optional[Module] = None  # the model set up (one per strategy)
         self._backward_sync_control = AccumulationWindow()

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 
 from lightning_ulysses.context import ShardInfo
+from lightning_ulysses.drift.guard import DriftReport, enforce_tested_versions
 from lightning_ulysses.models import building, memory
 from lightning_ulysses.models.preparation import PreparedModels
 from lightning_ulysses.parallel.attention import ModuleSelector
@@ -84,7 +85,8 @@ class SequenceParallelFrontEnd:
     def _init_sequence_parallel(self, sp_size: Optional[int], ring_size: int, sdpa_per_document: bool,
                                 attention_modules: Optional[Sequence[ModuleSelector]],
                                 memory_features: memory.MemoryFeatures, check_sp_agreement: bool,
-                                verify_checkpoints: bool, check_model_form: bool) -> None:
+                                verify_checkpoints: bool, check_model_form: bool,
+                                allow_untested_versions: bool = False) -> None:
         if sp_size is not None:
             validate_sp_size(sp_size, sp_size)  # type and sign; the world size is checked once it is known
         validate_ring_size(ring_size, sp_size if sp_size is not None else ring_size)  # divisibility once known
@@ -96,22 +98,30 @@ class SequenceParallelFrontEnd:
         self.check_sp_agreement = check_sp_agreement
         self.verify_checkpoints = verify_checkpoints
         self.check_model_form = check_model_form
+        self.allow_untested_versions = allow_untested_versions
+        self._drift: Optional[DriftReport] = None  # the drift check's finding, once per strategy
         self._layout: Optional[SequenceParallelLayout] = None
         self._runner: Optional[StepRunner] = None  # per stage (Trainer) or per set-up (Fabric)
         self._models = PreparedModels()
         self._patches = PatchStack()  # every change to the user's objects and to other libraries, closed in teardown
         self._form_checks_before = 0  # model-form checks of the stages before the current one
 
+    _front_end_name = "trainer"  # which touch points the drift check runs ("trainer" or "fabric")
+
     def _set_up_sequence_parallel(self, set_up_processes: Callable[[], None], gather_predictions: bool) -> None:
         """Both front ends' ``setup_environment``: the world checked, DeepSpeed put on CPU when Lightning runs there,
         the process group set up (``set_up_processes``: the DDP set-up under Lightning's DeepSpeed one, which
-        refuses CPU), then the layout and the step runner built."""
+        refuses CPU), the installed libraries checked against the tested versions (on every rank, before any model
+        is touched; see :mod:`lightning_ulysses.drift.guard`), then the layout and the step runner built."""
         spanning = check_world(self.sp_size, self.ring_size, self.num_nodes, self.num_processes)
         if spanning is not None:
             rank_zero_warn(spanning)
         if self.root_device.type == "cpu":
             use_deepspeed_cpu_accelerator()
         set_up_processes()
+        if self._drift is None:
+            self._drift = enforce_tested_versions(self._front_end_name, self.root_device,
+                                                  self.allow_untested_versions, rank_zero_warn)
         if self._layout is None:
             self._layout = SequenceParallelLayout.build(self.root_device.type, self.sp_size, self.ring_size)
         if self._runner is None:  # one per stage (Trainer) or per set-up (Fabric); its gradient factors are

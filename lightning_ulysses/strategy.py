@@ -107,6 +107,12 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
             passed around the ring point to point, load-balanced zigzag sequence layout). Lifts the head limit: only
             ``sp_size / ring_size`` must fit the heads. 1 (default): Ulysses only. Any attention implementation
             (the ring runs its own block kernels); packed documents are kept apart.
+        allow_untested_versions: when torch, Lightning, DeepSpeed or transformers is installed at a version other
+            than the tested one (``lightning_ulysses.drift.tested_versions``, the versions of the project's
+            ``requirements/lock.txt``), the strategy checks the private APIs it relies on in those libraries once
+            per process before the first step: all unchanged gives one warning line and the run goes on; any
+            changed stops every rank before a weight changes, naming each. ``True`` (or the environment variable
+            ``LIGHTNING_ULYSSES_ALLOW_UNTESTED=1``) turns that stop into a warning: at your own risk.
         **kwargs: Every argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` (``stage``,
             ``offload_optimizer``, ``config``, ...).
     """
@@ -126,12 +132,14 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         verify_checkpoints: bool = True,
         ring_size: int = 1,
         check_model_form: bool = True,
+        allow_untested_versions: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._init_sequence_parallel(sp_size, ring_size, sdpa_per_document, attention_modules,
                                      memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints),
-                                     check_sp_agreement, verify_checkpoints, check_model_form)
+                                     check_sp_agreement, verify_checkpoints, check_model_form,
+                                     allow_untested_versions)
         self.gather_predictions = gather_predictions
 
     @override

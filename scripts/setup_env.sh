@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment in <repo>/.venv and install everything the example, the tests
-# and the benchmarks need.
+# and the benchmarks need: exactly the tested stack of requirements/lock.txt.
 #
 #   bash scripts/setup_env.sh        # set up (a no-op when nothing changed)
 #   source scripts/setup_env.sh      # set up, then activate .venv in the current shell
 #
-# torch is installed FIRST with an exact pin (TORCH_VERSION, default 2.13.0): on a GPU machine that pin resolves to
-# the CUDA build from PyPI; on a machine whose pip has a local CPU wheel (pip find-links) it resolves to that. Only
-# then is the package installed (`pip install -e ".[test,bench,cli]"`), so its unpinned `torch>=2.4` requirement is
-# already satisfied and never pulls the multi-GB CUDA wheels on a CPU-only machine.
+# Two stacks (ULYSSES_STACK):
+#   locked (default)  requirements/lock.txt, version for version: any day gives the stack the suite passed on.
+#                     1. torch at the lock's version first: on a GPU machine that pin resolves to the CUDA build from
+#                        PyPI (with its nvidia-* packages); on a machine whose pip has a local CPU wheel (pip
+#                        find-links) it resolves to that. An unpinned torch would pull the multi-GB CUDA wheels on a
+#                        CPU-only machine: torch is never resolved freely.
+#                     2. every other line of the lock with --no-deps (nothing is resolved: the lock is the closure);
+#                     3. the package itself, editable, with --no-deps.
+#   latest            the newest versions pyproject.toml's ranges admit (torch still pinned to the lock's): what a user
+#                     who runs `pip install lightning-ulysses` today gets. Used by .ci/run's drift lane and by
+#                     scripts/update_lock.sh, each in its own VENV_DIR; re-resolved on every run (no stamp).
 #
 # pip runs with -qq: errors still print, warnings (e.g. about unreachable extra index pages) do not.
-# Re-runs are fast: .venv/.setup-stamp holds a hash of pyproject.toml, the torch pin and the Python version, and the
-# installs are skipped while it matches. Delete the stamp (or .venv) to force a reinstall.
-# Environment: PYTHON (interpreter that creates the venv, default python3), TORCH_VERSION, VENV_DIR.
-
+# Re-runs of the locked stack are fast: $VENV_DIR/.setup-stamp holds a hash of pyproject.toml, the lock, the torch
+# pin and the Python version, and the installs are skipped while it matches. Delete the stamp (or .venv) to force a
+# reinstall.
+# Environment: PYTHON (interpreter that creates the venv, default python3), ULYSSES_STACK, VENV_DIR, TORCH_VERSION
+# (default: the lock's).
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
     # Sourced: do the work in a child bash (so `set -euo pipefail` does not leak into the caller's shell), then
     # activate the venv here.
@@ -35,10 +43,18 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+LOCK="$ROOT/requirements/lock.txt"
+STACK="${ULYSSES_STACK:-locked}"
+LOCKED_TORCH="$(sed -n 's/^torch==//p' "$LOCK")"
+TORCH_VERSION="${TORCH_VERSION:-$LOCKED_TORCH}"
+LITGPT_VERSION="$(sed -n 's/^litgpt==//p' "$LOCK")"
 VENV_DIR="${VENV_DIR:-$ROOT/.venv}"
 STAMP="$VENV_DIR/.setup-stamp"
 export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+if [[ "$STACK" != "locked" && "$STACK" != "latest" ]]; then
+    echo "[setup_env] ULYSSES_STACK must be 'locked' or 'latest', not '$STACK'" >&2
+    exit 2
+fi
 
 if [[ ! -x "$VENV_DIR/bin/python" ]]; then
     echo "[setup_env] creating $VENV_DIR with $("$PYTHON" --version 2>&1)" >&2
@@ -46,28 +62,50 @@ if [[ ! -x "$VENV_DIR/bin/python" ]]; then
 fi
 VPY="$VENV_DIR/bin/python"
 
-want="$( { cat "$ROOT/pyproject.toml"; echo "torch==$TORCH_VERSION litgpt==0.5.13"; "$VPY" --version 2>&1; } \
+want="$( { cat "$ROOT/pyproject.toml" "$LOCK"; echo "torch==$TORCH_VERSION $STACK"; "$VPY" --version 2>&1; } \
     | sha256sum | cut -d' ' -f1)"
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+if [[ "$STACK" == "locked" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     exit 0
 fi
+rm -f "$STAMP"
 
 start=$SECONDS
 echo "[setup_env] installing torch==$TORCH_VERSION ..." >&2
 "$VPY" -m pip install -qq "torch==$TORCH_VERSION"
-echo "[setup_env] installing lightning-ulysses[test,bench,cli] (editable) ..." >&2
-"$VPY" -m pip install -qq -e "$ROOT[test,bench,cli]"
+if [[ "$STACK" == "locked" ]]; then
+    echo "[setup_env] installing the tested stack (requirements/lock.txt, --no-deps) ..." >&2
+    grep -vE '^(torch|litgpt)==' "$LOCK" | "$VPY" -m pip install -qq --no-deps -r /dev/stdin
+    echo "[setup_env] installing lightning-ulysses (editable, --no-deps) ..." >&2
+    "$VPY" -m pip install -qq --no-deps -e "$ROOT"
+else
+    echo "[setup_env] installing lightning-ulysses[test,bench,cli] (editable) at the newest versions pyproject.toml" \
+         "admits ..." >&2
+    "$VPY" -m pip install -qq --upgrade --upgrade-strategy eager -c <(echo "torch==$TORCH_VERSION") \
+        -e "$ROOT[test,bench,cli]"
+fi
 # LitGPT is a test dependency (tests/test_model_forms.py trains its GPT under SP). Installed without its own
 # requirements: litgpt 0.5.13 pins huggingface_hub<1.4, which transformers 5.23 outgrew; its model code needs only
 # torch and lightning, which are here.
-echo "[setup_env] installing litgpt==0.5.13 (test dependency, --no-deps) ..." >&2
-"$VPY" -m pip install -qq --no-deps "litgpt==0.5.13"
-# Fail loudly if anything replaced the pinned torch.
-"$VPY" - "$TORCH_VERSION" <<'PY'
+echo "[setup_env] installing litgpt==$LITGPT_VERSION (test dependency, --no-deps) ..." >&2
+"$VPY" -m pip install -qq --no-deps "litgpt==$LITGPT_VERSION"
+# Fail loudly if anything replaced the pinned torch, or (locked) if any installed version is not the lock's.
+"$VPY" - "$TORCH_VERSION" "$STACK" "$LOCK" <<'PY'
 import sys
-import torch
-if torch.__version__.split("+")[0] != sys.argv[1]:
-    sys.exit(f"[setup_env] expected torch {sys.argv[1]}, found {torch.__version__}")
+from importlib.metadata import version
+torch_pin, stack, lock = sys.argv[1:]
+torch_version = version("torch").split("+")[0]
+if torch_version != torch_pin:
+    sys.exit(f"[setup_env] expected torch {torch_pin}, found {torch_version}")
+if stack == "locked":
+    pins = dict(line.strip().split("==") for line in open(lock) if "==" in line and not line.startswith("#"))
+    pins.pop("torch")
+    wrong = {name: (pin, version(name)) for name, pin in pins.items() if version(name) != pin}
+    if wrong:
+        sys.exit(f"[setup_env] installed versions differ from requirements/lock.txt (lock, installed): {wrong}")
 PY
 echo "$want" > "$STAMP"
-echo "[setup_env] done in $((SECONDS - start)) s ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))" >&2
+echo "[setup_env] done in $((SECONDS - start)) s ($STACK stack: $("$VPY" - <<'PY'
+from importlib.metadata import version
+print(", ".join(f"{name} {version(name)}" for name in ("torch", "lightning", "deepspeed", "transformers")))
+PY
+))" >&2

@@ -18,6 +18,7 @@ LAYERS = [
     {"training"},
     {"models"},
     {"checkpoint", "evaluation"},
+    {"drift"},
     {"front_end"},
     {"strategy", "fabric", "__init__"},
 ]

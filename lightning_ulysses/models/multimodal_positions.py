@@ -19,12 +19,12 @@ from torch import nn
 
 from lightning_ulysses.context import ShardInfo
 
-# transformers 5.23's modeling modules whose decoders read packed samples only from [4, B, S] positions (a guard in
+# transformers 5.24's modeling modules whose decoders read packed samples only from [4, B, S] positions (a guard in
 # tests/test_compat.py re-derives this set from the installed sources).
 PACKING_FROM_FOUR_ROWS = frozenset({
     "cohere_compass", "cosmos3_edge", "ernie4_5_vl_moe", "glm4v", "glm4v_moe", "glm_image", "glm_ocr",
     "paddleocr_vl", "qwen2_5_omni", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe", "qwen3_vl",
-    "qwen3_vl_moe", "qwen4_exp",
+    "hy_v4_vl", "qwen3_vl_moe", "qwen4_exp",
 })
 
 
