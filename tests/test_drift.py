@@ -218,3 +218,10 @@ def test_fabric_stops_at_launch(drift_runs):
         result = results["fabric_changed"]
         assert result["error_type"] == "UntestedVersionError"
         assert "Fabric DeepSpeedStrategy._initialize_engine" in result["message"]
+
+
+def test_the_readme_states_the_tested_versions():
+    readme = (ROOT / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("**Tested versions:**"))
+    for package, tested in TESTED_VERSIONS.items():
+        assert f"{package} {tested}" in line, (package, tested, line)

@@ -147,11 +147,11 @@ def toys(payload: dict) -> dict:
     from tests.support.architectures import SEQ_LEN, VOCAB, build_model
 
     class TransformsItsInput(Lfm2ShortConv):
-        def forward(self, hidden_states, past_key_values=None, attention_mask=None, **kwargs):
-            return super().forward(hidden_states * 1.0, past_key_values, attention_mask, **kwargs)
+        def forward(self, hidden_states, *args, **kwargs):  # the cache argument's name changes between releases
+            return super().forward(hidden_states * 1.0, *args, **kwargs)
 
     class ReadsItsInput(Lfm2ShortConv):
-        def forward(self, hidden_states, past_key_values=None, attention_mask=None, **kwargs):
+        def forward(self, hidden_states, *args, **kwargs):
             seq_len = hidden_states.shape[1]
             B, C, x = self.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
             x = x + hidden_states.mean(-1)[:, None, :]  # the input's content, not through a projection
