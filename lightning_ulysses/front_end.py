@@ -254,6 +254,43 @@ class SequenceParallelFrontEnd:
         averages them on one device."""
         return self.runner.token_mean(values, weights, mask)
 
+    # ------------------------------------------------------------------ per-sequence reductions (post-training)
+    def sequence_sum(self, values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Each row's sum over the whole sequence: ``[B, s, ...]`` values of this rank's shard -> ``[B, ...]``, the
+        same on every SP rank, with exact gradients. Replaces the one-device ``(values * mask).sum(1)``, e.g. a
+        sequence's log-probability for DPO: ``strategy.sequence_sum(token_logps, mask)``.
+
+        ``mask``: ``[B, s]`` of this rank's shard, bool (which positions count) or float (weights); ``None``: the
+        step's target tokens (``batch["shift_labels"] != -100``), or, if the batch has no labels, its real tokens.
+        Every SP rank must call it (one all-reduce of ``[B, ...]`` over the SP group)."""
+        return self.runner.sequence_sum(values, mask)
+
+    def sequence_mean(self, values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Each row's mean over the positions of ``mask`` in the whole sequence: ``[B, s, ...]`` -> ``[B, ...]``,
+        the same on every SP rank, exact gradients. Replaces ``(values * mask).sum(1) / mask.sum(1)`` (SimPO's
+        length-normalised log-probability, per-sample-averaged SFT, mean pooling of an embedding model). Default
+        ``mask`` as :meth:`sequence_sum`; a row with no position in the mask gives NaN, as on one device."""
+        return self.runner.sequence_mean(values, mask)
+
+    def sequence_count(self, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[B]`` float64: each row's number of positions in ``mask`` over the whole sequence (no gradient), e.g. a
+        per-row target count: replaces ``(batch["shift_labels"] != -100).sum(1)``, which on a shard counts only this
+        rank's part. Default ``mask`` as :meth:`sequence_sum`."""
+        return self.runner.sequence_count(mask)
+
+    def last_token(self, values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Each row's value at its last position in ``mask``: ``[B, s, ...]`` -> ``[B, ...]``, the same on every SP
+        rank, exact gradients. For reward and value heads and last-token embeddings; replaces
+        ``values[torch.arange(B), attention_mask.sum(1) - 1]``. ``mask``: ``[B, s]`` bool; ``None``: the batch's
+        real tokens (its ``attention_mask``, without the padding to the SP multiple)."""
+        return self.runner.last_token(values, mask)
+
+    def gather_sequence(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[B, s, ...]`` values -> the whole rows ``[B, S, ...]`` on every SP rank, differentiable
+        (backward: a reduce-scatter). Costs the full sequence's memory on every rank: prefer the reductions above,
+        which never hold it; for objectives that need all positions at once."""
+        return self.runner.gather_sequence(values)
+
     def next_token_values(self, values: torch.Tensor, fill: Any = 0) -> torch.Tensor:
         """``[B, s, ...]`` -> ``[B, s, ...]``: at every position of this rank's shard, the value at the next position of
         the full sequence (``fill`` after the last one), across shard boundaries: what ``values[:, 1:]`` is on one

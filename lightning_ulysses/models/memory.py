@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ulysses import _compat
+from lightning_ulysses.training import loss_graph
 from lightning_ulysses.training.loss import cross_entropy_sum, step_loss_from_sum, token_statistics
 from lightning_ulysses.training.step_context import StepContext
 
@@ -174,6 +175,9 @@ class TiledMLP(torch.autograd.Function):
                 grad_x.narrow(-2, start, length).copy_(x_tile.grad)
                 start += length
         return None, grad_x, None, None
+
+
+loss_graph.register_sharded_computation(TiledMLP)  # a tile of the MLP on this rank's shard
 
 
 def _memory_forward(model: nn.Module, features: MemoryFeatures, context: Optional[StepContext]):

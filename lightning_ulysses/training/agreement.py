@@ -12,6 +12,8 @@ instead of waiting forever in its next collective.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -42,6 +44,16 @@ _STEP_REPLACEMENT = (
 )
 
 
+_SEQUENCE_API = (
+    " Per-sequence values: `strategy.sequence_sum(values, mask)` (a sequence's log-probability for DPO/KTO/GRPO),"
+    " `strategy.sequence_mean(values, mask)` (SimPO, per-sample means, mean pooling), `strategy.last_token(values)`"
+    " (reward and value heads, last-token embeddings), `strategy.sequence_count(mask)` (per-row counts);"
+    " per-token means: `strategy.token_mean(values, weights)`, `strategy.cross_entropy(logits, shift_labels)`;"
+    " whole rows: `strategy.gather_sequence(values)` (`strategy` is `self.trainer.strategy`; see"
+    " docs/post-training.md)."
+)
+
+
 def loss_mismatch_message(ranks: list[int], where: str, low: float, high: float) -> str:
     return (
         f"UlyssesDeepSpeedStrategy: the loss of the {where} differs between the ranks {ranks} of one"
@@ -55,7 +67,28 @@ def loss_mismatch_message(ranks: list[int], where: str, low: float, high: float)
         "\nPer-token values or weights: `self.trainer.strategy.token_mean(values, weights)`,"
         " `self.trainer.strategy.cross_entropy(logits, batch[\"shift_labels\"], weight=w)`. Terms that are the same"
         " on every rank (a weight regulariser) can be added as they are. The check runs before every optimizer step;"
-        " `UlyssesDeepSpeedStrategy(check_sp_agreement=False)` turns it off."
+        " `UlyssesDeepSpeedStrategy(check_sp_agreement=False)` turns it off." + _SEQUENCE_API
+    )
+
+
+def shard_local_message(ranks: list[int], where: str, reached: Optional[str]) -> str:
+    return (
+        f"UlyssesDeepSpeedStrategy: the loss of the {where} depends on this rank's shard of the model's activations"
+        f" through local operations only (its autograd graph reaches the model's sharded computation `{reached}`"
+        " without an SP reduction), on the ranks"
+        f" {ranks} of one sequence-parallel group; no weight was changed. Each rank holds a slice of every sequence,"
+        " so a mean or sum over this rank's tokens is a different function on every rank, even where its value"
+        " happens to agree (DPO's first step: policy = reference gives log 2 on every rank). Reduce over the whole"
+        " sequence with the strategy's API instead." + _SEQUENCE_API
+    )
+
+
+def non_finite_loss_message(ranks: list[int], where: str, value: str) -> str:
+    return (
+        f"UlyssesDeepSpeedStrategy: the loss of the {where} is {value} on every rank {ranks} of one sequence-parallel"
+        " group; no weight was changed (a non-finite loss is never counted as agreement). Under SP this is usually a"
+        " per-row mean over this rank's shard, in which some rows have no target tokens (0 / 0), e.g."
+        " `(logps * mask).sum(-1) / mask.sum(-1)`: take it over the whole sequence." + _SEQUENCE_API
     )
 
 
@@ -104,22 +137,30 @@ class SPAgreement:
         if high != low:
             raise SPPeerMismatchError(self._message(where, high, low))
 
-    def verify_loss(self, value: torch.Tensor, incoming: list[torch.Tensor], where: str) -> None:
-        """Raise :class:`SPLossMismatchError` on every rank of the group unless the loss a step back-propagated is the
-        same number on every rank, and so is the gradient that reached each of the strategy's SP losses (one all-reduce
-        of 8 float64 per backward pass)."""
+    def verify_loss(self, value: torch.Tensor, incoming: list[torch.Tensor], where: str,
+                    shard_local: Optional[str] = None) -> None:
+        """Raise on every rank of the group unless the loss a step back-propagated is the same finite number on
+        every rank, depends on the model's sharded computation only through SP reductions (``shard_local``: the
+        sharded computation this rank's loss reached without one, from
+        :func:`~lightning_ulysses.training.loss_graph.shard_local_path`), and the gradient that reached each of the
+        strategy's SP losses is the same on every rank (one all-reduce of 10 float64 per backward pass)."""
         gradients = [float(g.double().sum()) for g in incoming]
         loss = float(value.detach().double().sum()) if value.numel() == 1 else float("nan")
         values = torch.tensor([_comparable(loss), float(len(gradients)), sum(gradients),
-                               sum((i + 1) * g for i, g in enumerate(gradients))], dtype=torch.float64)
+                               sum((i + 1) * g for i, g in enumerate(gradients)), float(shard_local is not None)],
+                              dtype=torch.float64)
         values = torch.nan_to_num(values, nan=NAN_SENTINEL)
-        both = torch.cat([values, -values]).to(self.device)  # [8]: MAX over the group gives max and -min of each
+        both = torch.cat([values, -values]).to(self.device)  # [10]: MAX over the group gives max and -min of each
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        high, low = both[:4].tolist(), [-v for v in both[4:].tolist()]
+        high, low = both[:5].tolist(), [-v for v in both[5:].tolist()]
         if high[0] != low[0]:
             raise SPLossMismatchError(loss_mismatch_message(self.group_ranks, where, low[0], high[0]))
-        if high[1:] != low[1:]:
-            raise SPLossMismatchError(gradient_mismatch_message(self.group_ranks, where, low[1:], high[1:]))
+        if high[0] == NAN_SENTINEL or abs(high[0]) == float("inf"):
+            raise SPLossMismatchError(non_finite_loss_message(self.group_ranks, where, _show(high[0])))
+        if high[4] > 0:
+            raise SPLossMismatchError(shard_local_message(self.group_ranks, where, shard_local))
+        if high[1:4] != low[1:4]:
+            raise SPLossMismatchError(gradient_mismatch_message(self.group_ranks, where, low[1:4], high[1:4]))
 
     def verify_end_of_data(self, where: str) -> None:
         """Called when this rank's loader is exhausted; fails if a peer still has a batch."""

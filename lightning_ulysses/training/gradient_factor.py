@@ -59,6 +59,13 @@ class GradientFactors:
         return float(self.dp_size * self.sp_size)
 
     @property
+    def sequence_share(self) -> float:
+        """Factor on the gradient of a per-sequence reduction's local share (a sum over the SP group only: each
+        replica scores its own rows): ``sp``. With the whole-loss factor, the SP ranks' gradients add up to one
+        device's and the replicas average as DDP's do."""
+        return float(self.sp_size)
+
+    @property
     def whole_loss(self) -> float:
         """Factor on the gradient of the whole loss a training step back-propagates: ``k · D / (dp · sp)``."""
         return self.accumulation * self.deepspeed_divisor / (self.dp_size * self.sp_size)

@@ -30,6 +30,8 @@ from lightning_ulysses.training.loss import (
     step_token_mean,
     zero3_parameters_outside_forward_error,
 )
+from lightning_ulysses.training import loss_graph
+from lightning_ulysses.training import sequence_reductions as reductions
 from lightning_ulysses.training.step_context import StepContext
 
 if TYPE_CHECKING:  # the models layer sits above this one: only its type is named here
@@ -158,6 +160,7 @@ class StepRunner:
         context = self.context
         received = context.incoming_gradients  # the SP losses of this step's forward record into this list
         value = loss.detach()
+        shard_local = loss_graph.shard_local_path(loss) if self.agreement is not None else None
         try:
             run_backward(scale_gradient(loss, context.gradients.whole_loss))
         except RuntimeError as err:
@@ -167,7 +170,7 @@ class StepRunner:
         finally:
             context.incoming_gradients = []  # for the next forward pass
         if self.agreement is not None:
-            self.agreement.verify_loss(value, received, where=where)
+            self.agreement.verify_loss(value, received, where=where, shard_local=shard_local)
 
     # ------------------------------------------------------------------------------------------ predictions
     def gather_prediction(self, output: Any, local_shape: Optional[tuple[int, int]]) -> Any:
@@ -224,6 +227,47 @@ class StepRunner:
             real &= shard.attention_mask.bool()
         real &= shard.global_index[None, :] < shard.seq_len  # not the padding to the SP multiple
         return real
+
+    # per-sequence reductions (sequence_reductions.py): over the SP group, the same [B, ...] on every SP rank
+    def _sequence_mask(self, values: torch.Tensor, mask: Optional[torch.Tensor], what: str,
+                       targets_by_default: bool) -> tuple[ShardInfo, torch.Tensor]:
+        shard = reductions.check_shard_values(values, self.context.shard_info, what)
+        if mask is None:
+            mask = (self._default_token_mask(shard) if targets_by_default
+                    else reductions.real_positions(shard, values.device))
+        elif tuple(mask.shape) != tuple(shard.shard_shape):
+            raise ValueError(f"{what}: mask must be [B, s] = {list(shard.shard_shape)} (this rank's shard), got"
+                             f" {list(mask.shape)}.")
+        return shard, mask.to(values.device)
+
+    def sequence_sum(self, values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        _, mask = self._sequence_mask(values, mask, "sequence_sum", targets_by_default=True)
+        return reductions.sequence_sum(values, mask, self.layout.sp_group, self.context.gradients.sequence_share,
+                                       self.context.incoming_gradients)
+
+    def sequence_mean(self, values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        _, mask = self._sequence_mask(values, mask, "sequence_mean", targets_by_default=True)
+        total = reductions.sequence_sum(values, mask, self.layout.sp_group, self.context.gradients.sequence_share,
+                                        self.context.incoming_gradients)  # [B, ...]
+        count = reductions.sequence_count(mask, self.layout.sp_group).to(total.dtype)  # [B]
+        return total / count.view(-1, *([1] * (total.ndim - 1)))
+
+    def sequence_count(self, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        shard = self.context.shard_info
+        if mask is None:
+            if shard is None or shard.shard_shape is None:
+                raise RuntimeError("sequence_count is for use inside a step.")
+            mask = self._default_token_mask(shard)
+        return reductions.sequence_count(mask, self.layout.sp_group)
+
+    def last_token(self, values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        shard, mask = self._sequence_mask(values, mask, "last_token", targets_by_default=False)
+        return reductions.last_token(values, mask, shard, self.layout.sp_group, self.context.gradients.sequence_share,
+                                     self.context.incoming_gradients)
+
+    def gather_sequence(self, values: torch.Tensor) -> torch.Tensor:
+        shard = reductions.check_shard_values(values, self.context.shard_info, "gather_sequence")
+        return reductions.gather_sequence(values, shard, self.layout.sp_group, self.context.incoming_gradients)
 
     def next_token_values(self, values: torch.Tensor, fill: Any = 0) -> torch.Tensor:
         shard = self.context.shard_info

@@ -1,0 +1,101 @@
+"""The shard-local-loss check: does the loss a step back-propagates depend on the model's sequence-sharded
+computation only through SP reductions?
+
+A loss that reaches the model's activations through local operations alone (a mean over this rank's tokens, a
+per-row sum over the shard) is a different function on every rank, even when its value happens to agree (DPO's first
+step, where policy and reference are equal and every rank's shard loss is exactly log 2). Its value cannot tell; its
+autograd graph can. Before backward, :func:`shard_local_path` walks the graph from the loss towards the leaves:
+
+* it stops at every **SP reduction**: the strategy's token losses (:class:`~lightning_ulysses.training.loss.
+  ValueWithGradientOf`), its per-sequence reductions and differentiable gather
+  (:mod:`~lightning_ulysses.training.sequence_reductions`), and ``torch.distributed.nn``'s differentiable collectives;
+* it reports the first **sharded computation** it reaches otherwise: the model's own sequence-parallel exchanges
+  (the all-to-alls around attention, the ring attention, the mixers' gathers) and the modules registered by
+  :func:`register_sharded_computation` (tiled MLPs, checkpointed segments). Every activation of a sharded model
+  passes through one of them, so a path from the loss to one without a reduction is a shard-local loss.
+
+Paths to parameters that avoid the model's activations (a weight regulariser) end at the leaves and are fine.
+The walk visits the nodes between the loss and the reductions: a few dozen for the usual losses (measured in
+``tests/test_post_training.py``); for a shard-local loss it stops at the first sharded computation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lightning_ulysses.parallel import exchange, ring
+from lightning_ulysses.training import sequence_reductions
+from lightning_ulysses.training.loss import ValueWithGradientOf
+
+
+def _backward_classes(functions) -> tuple[type, ...]:
+    return tuple(f._backward_cls for f in functions if hasattr(f, "_backward_cls"))
+
+
+def _torch_distributed_nn_functions() -> list:
+    try:
+        from torch.distributed.nn import functional as dist_fn
+    except ImportError:  # torch built without distributed
+        return []
+    names = ("_AllReduce", "_AllGather", "_AllGatherBase", "_Reduce_Scatter", "_Reduce", "_Broadcast", "_Gather",
+             "_Scatter", "_AlltoAll", "_AlltoAllSingle")
+    return [getattr(dist_fn, name) for name in names if hasattr(dist_fn, name)]
+
+
+SP_REDUCTIONS: tuple[type, ...] = _backward_classes(
+    [ValueWithGradientOf, sequence_reductions.SequenceSum, sequence_reductions.GatherSequence,
+     *_torch_distributed_nn_functions()])
+
+_SHARDED: list[type] = list(_backward_classes(
+    [exchange._AllToAll, exchange._GatherSequence, exchange._ReduceScatterSequence, exchange._AllReduceSum,
+     ring._RingAttention]))
+_SHARDED_NAMES = {"CheckpointFunctionBackward"}  # torch.utils.checkpoint's reentrant segment (a checkpointed layer)
+
+
+def register_sharded_computation(function: type) -> None:
+    """Count ``function``'s (an ``autograd.Function`` the model runs on sequence shards) backward nodes as the model's
+    sharded computation."""
+    cls = function._backward_cls
+    if cls not in _SHARDED:
+        _SHARDED.append(cls)
+
+
+def shard_local_path(loss: torch.Tensor, max_nodes: int = 200_000) -> Optional[str]:
+    """The name of the first sharded computation of the model that ``loss``'s graph reaches without passing an SP
+    reduction, or ``None`` (every path from the loss to the model's activations passes one)."""
+    root = loss.grad_fn
+    if root is None:
+        return None
+    sharded = tuple(_SHARDED)
+    seen = {id(root)}
+    stack = [root]
+    while stack and len(seen) <= max_nodes:
+        node = stack.pop()
+        if isinstance(node, SP_REDUCTIONS):
+            continue
+        if isinstance(node, sharded) or type(node).__name__ in _SHARDED_NAMES:
+            return type(node).__name__
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return None
+
+
+def count_nodes_to_reductions(loss: torch.Tensor) -> int:
+    """How many graph nodes :func:`shard_local_path` visits for ``loss`` (its cost, for the measurements)."""
+    root = loss.grad_fn
+    if root is None:
+        return 0
+    seen, stack, sharded = {id(root)}, [root], tuple(_SHARDED)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, SP_REDUCTIONS) or isinstance(node, sharded):
+            continue
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return len(seen)

@@ -1,0 +1,160 @@
+"""Per-sequence reductions of sequence-sharded values, for objectives that score whole sequences (DPO, reward
+models, embeddings, GRPO): the same ``[B, ...]`` result on every rank of the SP group, the one a single device
+computes on the full rows, with exact gradients.
+
+Each rank holds ``[B, s, ...]`` values for its ``s`` positions of every row. A per-row reduction over the full row is
+a sum over the SP group of per-rank partial sums (one all-reduce of ``[B, ...]``). Its gradient reaches this rank's
+partial sum with the factor :attr:`~lightning_ulysses.training.gradient_factor.GradientFactors.sp_size` (the loss
+built from it is the same on every SP rank and back-propagated with the whole-loss factor, see
+:mod:`lightning_ulysses.training.gradient_factor`): the SP ranks' gradients then add up to one device's. Unlike the
+token losses, which average over the tokens of the global batch (all DP × SP ranks), these reduce over the SP group
+only: each data-parallel replica scores its own rows, as DDP would.
+
+The gradient reaching every reduction is recorded for the SP peers' agreement check (like the SP losses), and each
+reduction's autograd node is one the shard-local-loss check (:mod:`lightning_ulysses.training.loss_graph`) accepts as
+an SP reduction.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_ulysses.context import ShardInfo
+
+
+class SequenceSum(torch.autograd.Function):
+    """Forward: the all-reduced sum of ``partial`` ``[B, ...]`` over ``group``. Backward: the incoming gradient times
+    ``share_factor`` to this rank's partial sum, appended to ``record`` (if given)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group: dist.ProcessGroup, share_factor: float,  # type: ignore[override]
+                record: Optional[list]) -> torch.Tensor:
+        ctx.share_factor, ctx.record = share_factor, record
+        total = partial.detach().clone()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)  # [B, ...]: the full rows' sums, on every SP rank
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if ctx.record is not None:
+            ctx.record.append(grad.detach())
+        return grad * ctx.share_factor, None, None, None
+
+
+class GatherSequence(torch.autograd.Function):
+    """Forward: ``[B, s, ...]`` shards of the SP group -> ``[B, S, ...]`` in sequence order (the padding to the SP
+    multiple removed). Backward: the exact adjoint, a reduce-scatter (sum) of the ``[B, S, ...]`` gradients back to
+    each rank's positions, appended to ``record`` (if given)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, group: dist.ProcessGroup, global_index: torch.Tensor,  # type: ignore[override]
+                seq_len: int, record: Optional[list]) -> torch.Tensor:
+        sp = dist.get_world_size(group)
+        ctx.group, ctx.global_index, ctx.seq_len, ctx.record, ctx.sp = group, global_index, seq_len, record, sp
+        shard = shard.detach().contiguous()
+        B, s = shard.shape[:2]
+        pieces = torch.empty((sp * B, *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(pieces, shard, group=group)  # [sp·B, s, ...], rank-major
+        indices = torch.empty(sp * s, dtype=torch.long, device=shard.device)
+        dist.all_gather_into_tensor(indices, global_index.to(shard.device), group=group)  # [sp·s] global positions
+        ctx.indices = indices
+        rows = pieces.view(sp, B, *shard.shape[1:]).transpose(0, 1).reshape(B, sp * s, *shard.shape[2:])
+        full = torch.empty_like(rows)  # [B, S_pad, ...]
+        full[:, indices] = rows  # each entry at its global position
+        return full[:, :seq_len].clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if ctx.record is not None:
+            ctx.record.append(grad.detach())
+        sp, indices = ctx.sp, ctx.indices
+        B = grad.shape[0]
+        padded = grad.new_zeros((B, indices.numel(), *grad.shape[2:]))  # [B, S_pad, ...]
+        padded[:, :ctx.seq_len] = grad
+        rows = padded[:, indices]  # [B, sp·s, ...] rank-major
+        s = indices.numel() // sp
+        stacked = rows.view(B, sp, s, *grad.shape[2:]).transpose(0, 1).contiguous()  # [sp, B, s, ...]
+        mine = grad.new_empty((B, s, *grad.shape[2:]))
+        dist.reduce_scatter_tensor(mine, stacked.view(sp * B, s, *grad.shape[2:]), group=ctx.group)  # [B, s, ...]
+        return mine, None, None, None, None
+
+
+SP_REDUCTION_NODES = (SequenceSum._backward_cls, GatherSequence._backward_cls)
+
+
+def real_positions(shard: ShardInfo, device: torch.device) -> torch.Tensor:
+    """``[B, s]`` bool: this rank's positions that hold a real token (not the batch's padding, not the padding to the
+    SP multiple)."""
+    real = (shard.global_index[None, :] < shard.seq_len).expand(shard.shard_shape).to(device)
+    if shard.attention_mask is not None:
+        real = real & shard.attention_mask.to(device).bool()
+    return real
+
+
+def check_shard_values(values: torch.Tensor, shard: Optional[ShardInfo], what: str) -> ShardInfo:
+    if shard is None or shard.shard_shape is None or shard.global_index is None:
+        raise RuntimeError(f"{what} is for use inside a step, on tensors of this rank's shard.")
+    if values.ndim < 2 or tuple(values.shape[:2]) != tuple(shard.shard_shape):
+        raise ValueError(f"{what}: values must be [B, s, ...] = {list(shard.shard_shape)} + [...] (this rank's shard"
+                         f" of the step's batch), got {list(values.shape)}.")
+    return shard
+
+
+def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` where ``mask`` (bool: 0 elsewhere, also where a value is inf or NaN; float: a weight)."""
+    mask = mask.to(values.device)
+    while mask.ndim < values.ndim:
+        mask = mask.unsqueeze(-1)
+    if mask.dtype == torch.bool:
+        return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return values * mask.to(values.dtype)
+
+
+def sequence_sum(values: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup, share_factor: float,
+                 record: Optional[list]) -> torch.Tensor:
+    """``[B, s, ...]`` -> ``[B, ...]``: each full row's sum of ``values`` over the positions of ``mask`` ``[B, s]``."""
+    partial = _masked(values, mask).sum(dim=1)  # [B, ...] this rank's positions
+    return SequenceSum.apply(partial, group, share_factor, record)
+
+
+def sequence_count(mask: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[B]``: each full row's number (or total weight) of positions in ``mask`` (no gradient)."""
+    count = mask.detach().to(torch.float64).sum(dim=1)  # [B]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(count, group=group)
+    return count
+
+
+def last_positions(mask: torch.Tensor, shard: ShardInfo, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[B]``: each full row's last global position where ``mask`` holds (-1 for a row without any)."""
+    index = shard.global_index.to(mask.device)[None, :].expand(mask.shape)  # [B, s] global positions
+    local = torch.where(mask.bool(), index, torch.full_like(index, -1)).max(dim=1).values  # [B]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    return local
+
+
+def last_token(values: torch.Tensor, mask: torch.Tensor, shard: ShardInfo, group: dist.ProcessGroup,
+               share_factor: float, record: Optional[list]) -> torch.Tensor:
+    """``[B, s, ...]`` -> ``[B, ...]``: each row's value at its last position in ``mask`` (the rank holding it
+    contributes it, the others 0: one all-reduce of ``[B]`` positions, one of ``[B, ...]`` values)."""
+    mask = mask.to(values.device).bool()
+    last = last_positions(mask, shard, group)  # [B]
+    if bool((last < 0).any()):
+        rows = (last < 0).nonzero().flatten().tolist()
+        raise ValueError(f"last_token: rows {rows} have no position in the mask (no real token), so they have no"
+                         " last token. Check the batch's attention_mask, or pass the mask of the positions to pool.")
+    here = (shard.global_index.to(values.device)[None, :] == last[:, None]) & mask  # [B, s]: at most one per row
+    return sequence_sum(values, here, group, share_factor, record)
+
+
+def gather_sequence(values: torch.Tensor, shard: ShardInfo, group: dist.ProcessGroup,
+                    record: Optional[list]) -> torch.Tensor:
+    """``[B, s, ...]`` -> ``[B, S, ...]`` on every SP rank, differentiable (see :class:`GatherSequence`)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return values[:, :shard.seq_len]
+    return GatherSequence.apply(values, group, shard.global_index, shard.seq_len, record)

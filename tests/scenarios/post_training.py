@@ -1,0 +1,86 @@
+"""Post-training objectives under SP=2 through a real Trainer (``tests/test_post_training.py``): each case is an
+objective of ``tests/support/objectives.py`` written with the strategy's sequence-level API (or, for the refusals,
+the one-device code users copy from TRL), at a ZeRO stage; it reports the losses, the trained weights (rank 0,
+gathered under ZeRO-3), the error it ended with and whether any weight had changed by then."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, seed_everything
+from torch.utils.data import DataLoader
+
+from lightning_ulysses import UlyssesDeepSpeedStrategy
+from lightning_ulysses.training import loss_graph
+from tests.support.models import SEED
+from tests.support.objectives import (LEARNING_RATES, OBJECTIVES, ONE_DEVICE_CODE, SequenceParallel, build_models, collate_pairs,
+                                      preference_rows, trainable)
+from tests.support.training import make_trainer, run_cases
+
+LR = 0.2
+
+
+class PostTraining(LightningModule):
+    def __init__(self, case: dict) -> None:
+        super().__init__()
+        for name, model in build_models().items():
+            setattr(self, name, model)
+        self.case = case
+        self.losses: list[float] = []
+        self.walked: list[int] = []  # graph nodes the shard-local-loss check visits, per step
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(preference_rows(), batch_size=2, collate_fn=collate_pairs)
+
+    def training_step(self, batch, batch_idx):
+        name = self.case["objective"]
+        if name in ONE_DEVICE_CODE:
+            loss = ONE_DEVICE_CODE[name](self, batch)
+        else:
+            loss = OBJECTIVES[name](SequenceParallel(self.trainer.strategy), self, batch)
+        self.walked.append(loss_graph.count_nodes_to_reductions(loss))
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(trainable(self), lr=LEARNING_RATES.get(self.case["objective"], LR))
+
+
+def _weights(module, strategy) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    params = {f"policy.{k}": v for k, v in module.policy.named_parameters()}
+    params.update({f"value_head.{k}": v for k, v in module.value_head.named_parameters()})
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None, enabled=strategy.zero_stage_3):
+        return {k: v.detach().float().clone() for k, v in params.items()}
+
+
+def _fit(case: dict) -> dict:
+    seed_everything(SEED, verbose=False)
+    module = PostTraining(case)
+    stage = case.get("stage", 2)
+    initial = {k: v.detach().clone() for k, v in module.policy.named_parameters()}
+    strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=stage)
+    if stage == 3:  # every parameter partitioned (tiny models otherwise stay whole on every rank)
+        strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    trainer = make_trainer(strategy, case.get("max_steps", 4))
+    result: dict[str, Any] = {"error_type": None, "message": None}
+    start = time.monotonic()
+    try:
+        trainer.fit(module)
+    except Exception as err:  # noqa: BLE001 - the test asserts on type and message
+        result.update(error_type=type(err).__name__, message=str(err))
+    result["seconds"] = time.monotonic() - start
+    weights = _weights(module, strategy)
+    result.update(losses=module.losses, walked=module.walked,
+                  weights=weights if dist.get_rank() == 0 else None,
+                  weights_unchanged=all(torch.equal(initial[k], weights[f"policy.{k}"]) for k in initial)
+                  if result["error_type"] else None)
+    return result
+
+
+def run(payload: dict) -> dict:
+    return run_cases(payload["cases"], _fit)

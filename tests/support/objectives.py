@@ -1,0 +1,272 @@
+"""Post-training objectives written once, run two ways: on one device over whole rows (plain PyTorch, the reference),
+and under SP through the strategy's sequence-level API (what a user writes in ``training_step``).
+
+Each objective takes ``ops`` (:class:`OneDevice` or :class:`SequenceParallel`: where the per-token values come from
+and how they are reduced), the module holding the models (``policy``, ``ref``, ``teacher``, ``value_head``) and the
+batch. The formulas are TRL's (DPO/IPO sigmoid and IPO losses, SimPO, KTO's unpaired loss with the batch KL
+estimate, GRPO's clipped surrogate with the k3 KL estimate) and the usual reward, distillation and InfoNCE losses.
+
+Batches: ``2B`` rows (chosen rows first, then rejected; or queries then documents), right-padded, prompts masked
+(``labels = -100``), plus per-row ``advantages`` / ``desirable`` ``[2B]`` and per-position ``old_logps`` ``[2B, S]``
+(``old_logps[b, i]``: the log-probability of token ``i + 1``, aligned with the targets).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BETA = 0.5
+LEARNING_RATES = {"ipo": 0.01}  # SGD steps per objective (default 0.2): IPO's squared loss diverges at 0.2
+
+
+class OneDevice:
+    """Whole rows on one device: per-token values at positions ``0..S-2`` against ``labels[:, 1:]``."""
+
+    def logits_and_targets(self, model, batch):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        return logits, batch["labels"][:, 1:]
+
+    def aligned(self, batch, key):
+        return batch[key][:, :-1]
+
+    def hidden(self, model, batch):
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     output_hidden_states=True).hidden_states[-1]
+
+    def sequence_sum(self, values, mask):
+        return (values * mask).sum(1)
+
+    def sequence_mean(self, values, mask):
+        return (values * mask).sum(1) / mask.sum(1)
+
+    def token_mean(self, values, mask):
+        return (values * mask).sum() / mask.sum()
+
+    def last_token(self, hidden, batch):
+        last = batch["attention_mask"].sum(1) - 1
+        return hidden[torch.arange(hidden.shape[0]), last]
+
+    def mean_pool(self, hidden, batch):
+        mask = batch["attention_mask"][..., None].to(hidden.dtype)
+        return (hidden * mask).sum(1) / mask.sum(1)
+
+
+class SequenceParallel:
+    """This rank's shard, reduced with the strategy's API (``strategy``: the Trainer's or Fabric's)."""
+
+    def __init__(self, strategy) -> None:
+        self.strategy = strategy
+
+    def logits_and_targets(self, model, batch):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return logits, batch["shift_labels"]
+
+    def aligned(self, batch, key):
+        return batch[key]
+
+    def hidden(self, model, batch):
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     output_hidden_states=True).hidden_states[-1]
+
+    def sequence_sum(self, values, mask):
+        return self.strategy.sequence_sum(values, mask)
+
+    def sequence_mean(self, values, mask):
+        return self.strategy.sequence_mean(values, mask)
+
+    def token_mean(self, values, mask):
+        return self.strategy.token_mean(values, mask=mask)
+
+    def last_token(self, hidden, batch):
+        return self.strategy.last_token(hidden)
+
+    def mean_pool(self, hidden, batch):
+        return self.strategy.sequence_mean(hidden, batch["attention_mask"].bool())
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` log-probabilities of the targets and ``[B, T]`` float mask of the positions that have one."""
+    mask = targets != -100
+    logps = torch.gather(logits.float().log_softmax(-1), -1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    return logps, mask.float()
+
+
+def _policy_and_reference(ops, module, batch):
+    logits, targets = ops.logits_and_targets(module.policy, batch)
+    policy, mask = token_logps(logits, targets)
+    with torch.no_grad():
+        ref_logits, _ = ops.logits_and_targets(module.ref, batch)
+        reference, _ = token_logps(ref_logits, targets)
+    return policy, reference, mask
+
+
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[0] // 2
+    return x[:n], x[n:]
+
+
+def dpo(ops, module, batch, ipo: bool = False):
+    policy, reference, mask = _policy_and_reference(ops, module, batch)
+    ratios = ops.sequence_sum(policy, mask) - ops.sequence_sum(reference, mask)  # [2B]
+    chosen, rejected = _halves(ratios)
+    logits = chosen - rejected
+    if ipo:
+        return ((logits - 1 / (2 * BETA)) ** 2).mean()
+    return -F.logsigmoid(BETA * logits).mean()
+
+
+def simpo(ops, module, batch, gamma: float = 0.3):
+    logits, targets = ops.logits_and_targets(module.policy, batch)
+    logps, mask = token_logps(logits, targets)
+    chosen, rejected = _halves(ops.sequence_mean(logps, mask))  # length-normalised
+    return -F.logsigmoid(2.0 * (chosen - rejected) - gamma).mean()
+
+
+def kto(ops, module, batch):
+    policy, reference, mask = _policy_and_reference(ops, module, batch)
+    ratios = ops.sequence_sum(policy, mask) - ops.sequence_sum(reference, mask)  # [2B]
+    kl = ratios.mean().clamp(min=0).detach()  # the batch's KL estimate (TRL's mismatched-pair estimate simplified)
+    desirable = batch["desirable"].bool()
+    losses = torch.where(desirable, 1 - torch.sigmoid(BETA * (ratios - kl)), 1 - torch.sigmoid(BETA * (kl - ratios)))
+    return losses.mean()
+
+
+def distill(ops, module, batch, temperature: float = 2.0):
+    logits, targets = ops.logits_and_targets(module.policy, batch)
+    with torch.no_grad():
+        teacher_logits, _ = ops.logits_and_targets(module.teacher, batch)
+    student = (logits.float() / temperature).log_softmax(-1)
+    teacher = (teacher_logits.float() / temperature).log_softmax(-1)
+    kl = (teacher.exp() * (teacher - student)).sum(-1)  # [B, T] token KL(teacher || student)
+    mask = (targets != -100).float()
+    return ops.token_mean(kl, mask) * temperature ** 2
+
+
+def reward(ops, module, batch):
+    hidden = ops.hidden(module.policy, batch)
+    scores = module.value_head(ops.last_token(hidden, batch).float()).squeeze(-1)  # [2B]
+    chosen, rejected = _halves(scores)
+    return -F.logsigmoid(chosen - rejected).mean()
+
+
+def embedding(ops, module, batch, pooling: str = "mean", temperature: float = 0.1):
+    hidden = ops.hidden(module.policy, batch).float()
+    pooled = ops.mean_pool(hidden, batch) if pooling == "mean" else ops.last_token(hidden, batch)
+    queries, documents = _halves(F.normalize(pooled, dim=-1))
+    scores = queries @ documents.T / temperature  # [B, B] in-batch negatives
+    return F.cross_entropy(scores, torch.arange(scores.shape[0]))
+
+
+def grpo(ops, module, batch, normalise: str = "sequence", clip: float = 0.2, kl_beta: float = 0.05):
+    policy, reference, mask = _policy_and_reference(ops, module, batch)
+    old = ops.aligned(batch, "old_logps")
+    ratio = torch.exp(policy - old)
+    advantages = batch["advantages"][:, None]
+    surrogate = torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
+    kl = torch.exp(reference - policy) - (reference - policy) - 1  # k3 estimator
+    per_token = -(surrogate - kl_beta * kl)
+    if normalise == "sequence":  # GRPO: each completion's mean, then the mean over completions
+        return ops.sequence_mean(per_token, mask).mean()
+    return ops.token_mean(per_token, mask)  # DAPO / token-level normalisation
+
+
+OBJECTIVES = {
+    "dpo": dpo,
+    "ipo": lambda ops, m, b: dpo(ops, m, b, ipo=True),
+    "simpo": simpo,
+    "kto": kto,
+    "distill": distill,
+    "reward": reward,
+    "embedding_mean": lambda ops, m, b: embedding(ops, m, b, "mean"),
+    "embedding_last": lambda ops, m, b: embedding(ops, m, b, "last"),
+    "grpo_sequence": lambda ops, m, b: grpo(ops, m, b, "sequence"),
+    "grpo_token": lambda ops, m, b: grpo(ops, m, b, "token"),
+}
+
+
+# ---------------------------------------------------------------------------------------------- written for one device
+def trl_batch_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = False) -> torch.Tensor:
+    """TRL's ``get_batch_logps`` as users copy it: own shift, per-row sum (or mean) over the row's targets."""
+    labels = labels[:, 1:].clone()
+    logits = logits[:, :-1]
+    mask = labels != -100
+    labels[~mask] = 0
+    logps = torch.gather(logits.float().log_softmax(-1), 2, labels[..., None]).squeeze(2)
+    return (logps * mask).sum(-1) / mask.sum(-1) if average else (logps * mask).sum(-1)
+
+
+def dpo_one_device_code(module, batch):
+    """DPO the one-device way, pasted into ``training_step``: TRL's ``get_batch_logps`` on the shard."""
+    logits = module.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    with torch.no_grad():
+        ref_logits = module.ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ratios = trl_batch_logps(logits, batch["labels"]) - trl_batch_logps(ref_logits, batch["labels"])
+    chosen, rejected = _halves(ratios)
+    return -F.logsigmoid(BETA * (chosen - rejected)).mean()
+
+
+def simpo_one_device_code(module, batch):
+    """SimPO the one-device way: per-row means over the shard's targets (NaN where a row has none here)."""
+    logits = module.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    chosen, rejected = _halves(trl_batch_logps(logits, batch["labels"], average=True))
+    return -F.logsigmoid(2.0 * (chosen - rejected) - 0.3).mean()
+
+
+ONE_DEVICE_CODE = {"dpo_one_device_code": dpo_one_device_code, "simpo_one_device_code": simpo_one_device_code}
+
+
+# ---------------------------------------------------------------------------------------------- data and models
+def preference_rows(num_pairs: int = 8, seed: int = 3, vocab: int = 128, max_len: int = 16) -> list[dict]:
+    """Pairs of sequences sharing a prompt (3-6 tokens), of 9-16 tokens in all; with per-row advantages and old
+    log-probabilities for the GRPO objectives."""
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(num_pairs):
+        prompt = int(torch.randint(3, 7, (1,), generator=g))
+        rows = []
+        for _ in range(2):
+            n = int(torch.randint(9, max_len + 1, (1,), generator=g))
+            ids = torch.randint(1, vocab, (n,), generator=g)
+            rows.append({"input_ids": ids, "prompt": prompt,
+                         "old_logps": -4.85 + 0.3 * torch.randn(n, generator=g),
+                         "advantage": float(torch.randn(1, generator=g))})
+        pairs.append(rows)
+    return pairs
+
+
+def collate_pairs(pairs: list[list[dict]]) -> dict[str, torch.Tensor]:
+    """``2B`` right-padded rows: the first of every pair, then the second; prompt and padding labelled -100."""
+    rows = [pair[0] for pair in pairs] + [pair[1] for pair in pairs]
+    longest = max(len(r["input_ids"]) for r in rows)
+    n = len(rows)
+    batch = {"input_ids": torch.zeros(n, longest, dtype=torch.long),
+             "labels": torch.full((n, longest), -100, dtype=torch.long),
+             "attention_mask": torch.zeros(n, longest, dtype=torch.long),
+             "old_logps": torch.zeros(n, longest),
+             "advantages": torch.tensor([r["advantage"] for r in rows]),
+             "desirable": torch.tensor([1.0] * len(pairs) + [0.0] * len(pairs))}
+    for i, r in enumerate(rows):
+        length = len(r["input_ids"])
+        batch["input_ids"][i, :length] = r["input_ids"]
+        batch["labels"][i, r["prompt"]:length] = r["input_ids"][r["prompt"]:]
+        batch["attention_mask"][i, :length] = 1
+        batch["old_logps"][i, :length - 1] = r["old_logps"][1:]  # position i: the old log-prob of token i + 1
+    return batch
+
+
+def build_models(seed: int = 0) -> dict[str, torch.nn.Module]:
+    """The policy, its frozen reference (the same initial weights), a frozen teacher of another width and a value
+    head."""
+    from tests.support.models import build_llama, tiny_llama_config
+
+    policy = build_llama(tiny_llama_config(), seed)
+    ref = build_llama(tiny_llama_config(), seed).requires_grad_(False).eval()
+    teacher = build_llama(tiny_llama_config(num_heads=2, num_kv_heads=2), seed + 1).requires_grad_(False).eval()
+    torch.manual_seed(seed + 2)
+    value_head = torch.nn.Linear(policy.config.hidden_size, 1)
+    return {"policy": policy, "ref": ref, "teacher": teacher, "value_head": value_head}
+
+
+def trainable(module) -> list[torch.nn.Parameter]:
+    return [*module.policy.parameters(), *module.value_head.parameters()]
