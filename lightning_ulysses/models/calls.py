@@ -64,6 +64,41 @@ def remove_call_completion(model: nn.Module) -> None:
     handle = model.__dict__.pop(_HOOK_HANDLE, None)
     if handle is not None:
         handle.remove()
+    remove_backbone_call_completion(model)
+
+
+_BACKBONE_HOOKS = "_ulysses_backbone_hooks"
+
+
+def install_backbone_call_completion(model: nn.Module, backbone: nn.Module, context: StepContext) -> None:
+    """Complete direct calls of a prepared model's backbone (``model.model(...)``, for an extra head on the hidden
+    states) as calls of the model are completed: the shard's global positions, the batch's mask accepted. Calls of
+    the backbone from inside the model's own forward (already completed) pass through: a pre-hook and an
+    always-called post-hook on the model count how deep the step is inside it."""
+    if _BACKBONE_HOOKS in model.__dict__:
+        return
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        context.inside_prepared_model += 1
+
+    def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        context.inside_prepared_model -= 1
+
+    def complete(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+        if context.inside_prepared_model > 0:
+            return None
+        return _complete_hf_call(module, args, kwargs, context)
+
+    model.__dict__[_BACKBONE_HOOKS] = [
+        model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
+        model.register_forward_hook(leave, with_kwargs=True, always_call=True),
+        backbone.register_forward_pre_hook(complete, with_kwargs=True),
+    ]
+
+
+def remove_backbone_call_completion(model: nn.Module) -> None:
+    for handle in model.__dict__.pop(_BACKBONE_HOOKS, []):
+        handle.remove()
 
 
 def position_taking_roots(root: nn.Module, cores: list[nn.Module]) -> list[nn.Module]:

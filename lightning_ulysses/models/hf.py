@@ -17,7 +17,8 @@ from torch import nn
 
 from lightning_ulysses import _compat
 from lightning_ulysses.models import vision_language
-from lightning_ulysses.models.calls import install_call_completion, remove_call_completion
+from lightning_ulysses.models.calls import (accepts_position_ids, install_backbone_call_completion,
+                                          install_call_completion, remove_call_completion)
 from lightning_ulysses.models.hf_attention import ATTENTION_PREFIX, CONTEXT_ATTRIBUTE
 from lightning_ulysses.models.mixers import unwrap_sequence_mixer, wrap_sequence_mixer
 from lightning_ulysses.models.moe import has_load_balancing_loss
@@ -108,6 +109,15 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
     if not saved.hooks:
         saved.hooks.append(model.register_forward_pre_hook(_refuse_router_aux_loss, with_kwargs=True))
     install_call_completion(model, context, hf_model=True)
+    _complete_backbone_calls(model, context)
+
+
+def _complete_backbone_calls(model: nn.Module, context: StepContext) -> None:
+    """A text model's backbone (``model.model``) called directly gets the shard's positions too."""
+    backbone = getattr(model, "base_model", None)
+    if (isinstance(backbone, nn.Module) and backbone is not model and accepts_position_ids(backbone)
+            and not vision_language.is_vision_language_model(model)):
+        install_backbone_call_completion(model, backbone, context)
 
 
 def reinstall_hooks(model: nn.Module, context: StepContext) -> None:
@@ -121,6 +131,7 @@ def reinstall_hooks(model: nn.Module, context: StepContext) -> None:
     saved.hooks = [model.register_forward_pre_hook(_refuse_router_aux_loss, with_kwargs=True)]
     remove_call_completion(model)
     install_call_completion(model, context, hf_model=True)
+    _complete_backbone_calls(model, context)
 
 
 def _refuse_router_aux_loss(model: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -43,6 +43,8 @@ class StepContext:
         device_positions: the current shard's positions on the model's device, ``{(id(shard), device): (shard, [B,
         s])}``. zero_stage_3: ZeRO-3 partitions the parameters: sequence mixers register their submodules' weights as
             external parameters (:mod:`lightning_ulysses.models.mixers`).
+        inside_prepared_model: how many prepared models' forwards are running (a backbone called from inside its
+            model's forward is not completed again).
         router_token_mask: ``[B, s]`` bool, the tokens of the last model call that count for the MoE router loss
             (not the padding to the SP multiple; not the batch's padding when the call was given its mask).
     """
@@ -63,3 +65,4 @@ class StepContext:
     device_positions: dict = field(default_factory=dict)
     router_token_mask: Optional[torch.Tensor] = None
     zero_stage_3: bool = False
+    inside_prepared_model: int = 0

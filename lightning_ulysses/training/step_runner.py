@@ -113,6 +113,7 @@ class StepRunner:
         context.step_batch_tensors = ({key: batch.get(key) for key in ("position_ids", "attention_mask",
                                                                         "shift_labels")}
                                       if isinstance(batch, dict) else {})
+        context.inside_prepared_model = 0  # (a model call that raised may have left it counted)
         if kind == "train":
             context.incoming_gradients = []
         if self.form_check_pending:  # before the first step of this stage computes anything

@@ -34,6 +34,10 @@ class OneDevice:
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      output_hidden_states=True).hidden_states[-1]
 
+    def backbone_hidden(self, model, batch):
+        """The backbone called directly (``model.model``), as for an extra head."""
+        return model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+
     def sequence_sum(self, values, mask):
         return (values * mask).sum(1)
 
@@ -68,6 +72,10 @@ class SequenceParallel:
     def hidden(self, model, batch):
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      output_hidden_states=True).hidden_states[-1]
+
+    def backbone_hidden(self, model, batch):
+        """The backbone called directly (``model.model``), as for an extra head."""
+        return model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
 
     def sequence_sum(self, values, mask):
         return self.strategy.sequence_sum(values, mask)
@@ -144,7 +152,7 @@ def distill(ops, module, batch, temperature: float = 2.0):
 
 
 def reward(ops, module, batch):
-    hidden = ops.hidden(module.policy, batch)
+    hidden = ops.backbone_hidden(module.policy, batch)
     scores = module.value_head(ops.last_token(hidden, batch).float()).squeeze(-1)  # [2B]
     chosen, rejected = _halves(scores)
     return -F.logsigmoid(chosen - rejected).mean()
