@@ -21,7 +21,7 @@ LOSS_TOL = 1e-5
 UPDATE_TOL = 1e-4
 
 PARITY = [(name, stage) for name in OBJECTIVES for stage in (2, 3)]
-REFUSED = ["dpo_one_device_code", "simpo_one_device_code"]
+REFUSED = ["dpo_one_device_code", "simpo_one_device_code", "nan_everywhere"]
 
 
 class Holder(torch.nn.Module):
@@ -31,12 +31,13 @@ class Holder(torch.nn.Module):
             setattr(self, name, model)
 
 
-def one_device(objective: str) -> dict:
-    """The objective on whole rows, plain PyTorch SGD over the same batches in the same order."""
+def one_device(objective: str, shuffled: bool = True) -> dict:
+    """The objective on whole rows, plain PyTorch SGD over the same batches in the same order (the Trainer's
+    shuffling sampler; ``shuffled=False``: the loader's order, as Fabric keeps it)."""
     module = Holder()
     optimizer = torch.optim.SGD(trainable(module), lr=LEARNING_RATES.get(objective, LR))
     pairs = preference_rows()
-    order = lightning_order(len(pairs))  # the order of the Trainer's shuffling DistributedSampler
+    order = lightning_order(len(pairs)) if shuffled else list(range(len(pairs)))
     losses = []
     for step in range(STEPS):
         batch = collate_pairs([pairs[i] for i in order[2 * step: 2 * step + 2]])
@@ -65,16 +66,35 @@ def _initial_update_norms() -> dict:
 
 @pytest.mark.parametrize("objective,stage", PARITY)
 def test_objective_trains_as_one_device(runs, objective, stage):
-    reference = one_device(objective)
+    _assert_one_device(runs, f"{objective}_zero{stage}", objective, stage, one_device(objective))
+
+
+FABRIC = [("dpo", 3), ("reward", 2), ("grpo_sequence", 2)]
+
+
+@pytest.fixture(scope="module")
+def fabric_runs():
+    cases = [{"name": f"{name}_zero{stage}", "objective": name, "stage": stage} for name, stage in FABRIC]
+    return launch(2, "post_training:run_fabric", {"cases": cases}, timeout=900)
+
+
+@pytest.mark.parametrize("objective,stage", FABRIC)
+def test_objective_under_fabric_trains_as_one_device(fabric_runs, objective, stage):
+    """The same API on Fabric's front end (``fabric.strategy.sequence_sum`` ...)."""
+    _assert_one_device(fabric_runs, f"{objective}_zero{stage}", objective, stage,
+                       one_device(objective, shuffled=False))
+
+
+def _assert_one_device(runs, name, objective, stage, reference):
     initial = _initial_update_norms()
     for rank, results in enumerate(runs):
-        result = results[f"{objective}_zero{stage}"]
+        result = results[name]
         assert result["error_type"] is None, result["message"]
         assert len(result["losses"]) == STEPS
         for ours, theirs in zip(result["losses"], reference["losses"]):
             assert abs(ours - theirs) <= LOSS_TOL * max(1.0, abs(theirs)), (rank, result["losses"],
                                                                              reference["losses"])
-    weights = runs[0][f"{objective}_zero{stage}"]["weights"]
+    weights = runs[0][name]["weights"]
     worst, moved, worst_name = 0.0, 0, None
     for name, theirs in reference["weights"].items():
         update_theirs = theirs - initial[name]
@@ -106,3 +126,7 @@ def test_one_device_code_is_refused_on_every_rank_before_a_weight_changes(runs, 
         assert result["weights_unchanged"], name
         assert len(result["losses"]) == 1  # the first step: DPO's loss is log 2 on every rank there
         assert "sequence_sum" in result["message"] and "sequence_mean" in result["message"]
+    if name == "dpo_one_device_code":  # its value is log 2 on every rank: only the graph shows it is shard-local
+        assert "through local operations only" in runs[0][name]["message"]
+    if name == "nan_everywhere":
+        assert "never counted as agreement" in runs[0][name]["message"]

@@ -84,3 +84,59 @@ def _fit(case: dict) -> dict:
 
 def run(payload: dict) -> dict:
     return run_cases(payload["cases"], _fit)
+
+
+# ---------------------------------------------------------------------------------------------- Lightning Fabric
+class FabricObjective(torch.nn.Module):
+    """The models in one module (Fabric sets up one); its forward computes the objective, so that the models run
+    inside the engine's forward pass, where the Fabric front end begins the step."""
+
+    def __init__(self, objective: str) -> None:
+        super().__init__()
+        for name, model in build_models().items():
+            setattr(self, name, model)
+        self.objective = objective
+        self.ops = None
+
+    def forward(self, input_ids, batch):
+        return OBJECTIVES[self.objective](self.ops, self, batch)
+
+
+def fabric_fit(case: dict) -> dict:
+    import os
+
+    from lightning.fabric import seed_everything as fabric_seed
+
+    from tests.scenarios.fabric import _fabric
+    from tests.support.training import LAUNCH_WORLD_SIZE
+
+    os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
+    fabric_seed(SEED, verbose=False)
+    fabric, strategy = _fabric({"sp": 2, "stage": case["stage"], "model": "hf"})
+    if case["stage"] == 3:
+        strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    module = FabricObjective(case["objective"])
+    module.ops = SequenceParallel(strategy)
+    optimizer = torch.optim.SGD(trainable(module), lr=LEARNING_RATES.get(case["objective"], LR))
+    model, optimizer = fabric.setup(module, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(preference_rows(), batch_size=2, collate_fn=collate_pairs))
+    losses = []
+    for step, batch in enumerate(loader):
+        if step == case.get("max_steps", 4):
+            break
+        loss = model(input_ids=batch["input_ids"], batch=batch)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    import deepspeed
+
+    params = {k: v for k, v in model.module.named_parameters() if k.startswith(("policy.", "value_head."))}
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None, enabled=case["stage"] == 3):
+        weights = {k: v.detach().float().clone() for k, v in params.items()}
+    strategy.teardown()
+    return {"losses": losses, "weights": weights if dist.get_rank() == 0 else None, "error_type": None}
+
+
+def run_fabric(payload: dict) -> dict:
+    return {case["name"]: fabric_fit(case) for case in payload["cases"]}

@@ -55,6 +55,9 @@ class OneDevice:
         mask = batch["attention_mask"][..., None].to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1)
 
+    def whole_rows(self, values, batch):
+        return values, batch["attention_mask"]
+
 
 class SequenceParallel:
     """This rank's shard, reduced with the strategy's API (``strategy``: the Trainer's or Fabric's)."""
@@ -91,6 +94,10 @@ class SequenceParallel:
 
     def mean_pool(self, hidden, batch):
         return self.strategy.sequence_mean(hidden, batch["attention_mask"].bool())
+
+    def whole_rows(self, values, batch):
+        """The whole rows on every rank (differentiable), with their padding mask."""
+        return self.strategy.gather_sequence(values), self.strategy.gather_sequence(batch["attention_mask"])
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,6 +173,15 @@ def embedding(ops, module, batch, pooling: str = "mean", temperature: float = 0.
     return F.cross_entropy(scores, torch.arange(scores.shape[0]))
 
 
+def embedding_gathered(ops, module, batch, temperature: float = 0.1):
+    """Mean pooling over the whole rows, gathered (the differentiable ``gather_sequence``)."""
+    hidden, mask = ops.whole_rows(ops.hidden(module.policy, batch).float(), batch)
+    mask = mask[..., None].to(hidden.dtype)
+    pooled = (hidden * mask).sum(1) / mask.sum(1)
+    queries, documents = _halves(F.normalize(pooled, dim=-1))
+    return F.cross_entropy(queries @ documents.T / temperature, torch.arange(queries.shape[0]))
+
+
 def grpo(ops, module, batch, normalise: str = "sequence", clip: float = 0.2, kl_beta: float = 0.05):
     policy, reference, mask = _policy_and_reference(ops, module, batch)
     old = ops.aligned(batch, "old_logps")
@@ -188,6 +204,7 @@ OBJECTIVES = {
     "reward": reward,
     "embedding_mean": lambda ops, m, b: embedding(ops, m, b, "mean"),
     "embedding_last": lambda ops, m, b: embedding(ops, m, b, "last"),
+    "embedding_gathered": embedding_gathered,
     "grpo_sequence": lambda ops, m, b: grpo(ops, m, b, "sequence"),
     "grpo_token": lambda ops, m, b: grpo(ops, m, b, "token"),
 }
@@ -221,7 +238,16 @@ def simpo_one_device_code(module, batch):
     return -F.logsigmoid(2.0 * (chosen - rejected) - 0.3).mean()
 
 
-ONE_DEVICE_CODE = {"dpo_one_device_code": dpo_one_device_code, "simpo_one_device_code": simpo_one_device_code}
+def nan_everywhere(module, batch):
+    """A per-row mean over no position (0 / 0 on every row): NaN on every rank, as it would be on one device."""
+    strategy = module.trainer.strategy
+    logits, targets = SequenceParallel(strategy).logits_and_targets(module.policy, batch)
+    logps, mask = token_logps(logits, targets)
+    return strategy.sequence_mean(logps, torch.zeros_like(mask, dtype=torch.bool)).mean()
+
+
+ONE_DEVICE_CODE = {"dpo_one_device_code": dpo_one_device_code, "simpo_one_device_code": simpo_one_device_code,
+                   "nan_everywhere": nan_everywhere}
 
 
 # ---------------------------------------------------------------------------------------------- data and models
