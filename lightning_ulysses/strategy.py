@@ -90,8 +90,11 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
             (a digest of the full batch taken in the collate step, compared with one all-reduce of 6 integers over
             the SP group), and a loader that runs out of batches on one peer but not on another stops all of them;
             after every backward pass, before the optimizer step, they verify that they back-propagated the same
-            loss through the same use of the strategy's SP losses (one all-reduce of 8 numbers; catches losses
-            averaged over a shard and hand-made cross-rank weightings). A mismatch raises on every rank. Turn off
+            loss through the same use of the strategy's SP losses (one all-reduce of 10 numbers; catches losses
+            averaged over a shard and hand-made cross-rank weightings), that the loss is finite, and that its
+            autograd graph reaches the model's sharded computation only through SP reductions (a walk of the nodes
+            between the loss and the reductions before backward: catches per-row sums over a shard, even where
+            their value agrees). A mismatch raises on every rank. Turn off
             only if your peers provably read the same data and your loss is the same on every rank.
         verify_checkpoints: record every checkpoint file's SHA-256 in the completion marker when saving (each rank
             hashes a share of the files) and check them before resuming or evaluating from a checkpoint; a file

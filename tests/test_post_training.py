@@ -13,7 +13,8 @@ import torch
 
 from tests.support.launcher import launch
 from tests.support.models import lightning_order
-from tests.support.objectives import LEARNING_RATES, OBJECTIVES, OneDevice, build_models, collate_pairs, preference_rows, trainable
+from tests.support.objectives import (LEARNING_RATES, OBJECTIVES, OneDevice, build_models, collate_pairs,
+                                      preference_rows, trainable, trained_weights)
 
 LR = 0.2  # IPO's squared loss takes larger steps: tests/support/objectives.py's LEARNING_RATES
 STEPS = 4
@@ -25,16 +26,16 @@ REFUSED = ["dpo_one_device_code", "simpo_one_device_code", "nan_everywhere"]
 
 
 class Holder(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, objective: str) -> None:
         super().__init__()
-        for name, model in build_models().items():
+        for name, model in build_models(classifier=objective.startswith("classifier")).items():
             setattr(self, name, model)
 
 
 def one_device(objective: str, shuffled: bool = True) -> dict:
     """The objective on whole rows, plain PyTorch SGD over the same batches in the same order (the Trainer's
     shuffling sampler; ``shuffled=False``: the loader's order, as Fabric keeps it)."""
-    module = Holder()
+    module = Holder(objective)
     optimizer = torch.optim.SGD(trainable(module), lr=LEARNING_RATES.get(objective, LR))
     pairs = preference_rows()
     order = lightning_order(len(pairs)) if shuffled else list(range(len(pairs)))
@@ -46,8 +47,7 @@ def one_device(objective: str, shuffled: bool = True) -> dict:
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
-    weights = {f"policy.{k}": v.detach().clone() for k, v in module.policy.named_parameters()}
-    weights.update({f"value_head.{k}": v.detach().clone() for k, v in module.value_head.named_parameters()})
+    weights = {k: v.detach().clone() for k, v in trained_weights(module).items()}
     return {"losses": losses, "weights": weights}
 
 
@@ -58,10 +58,8 @@ def runs():
     return launch(2, "post_training:run", {"cases": cases}, timeout=1200)
 
 
-def _initial_update_norms() -> dict:
-    return {k: v.detach().clone() for k, v in {**{f"policy.{k}": v for k, v in Holder().policy.named_parameters()},
-                                                **{f"value_head.{k}": v for k, v in
-                                                   Holder().value_head.named_parameters()}}.items()}
+def _initial_weights(objective: str) -> dict:
+    return {k: v.detach().clone() for k, v in trained_weights(Holder(objective)).items()}
 
 
 @pytest.mark.parametrize("objective,stage", PARITY)
@@ -86,7 +84,7 @@ def test_objective_under_fabric_trains_as_one_device(fabric_runs, objective, sta
 
 
 def _assert_one_device(runs, name, objective, stage, reference):
-    initial = _initial_update_norms()
+    initial = _initial_weights(objective)
     for rank, results in enumerate(runs):
         result = results[name]
         assert result["error_type"] is None, result["message"]

@@ -254,6 +254,8 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
     if masked_lm and named.get("labels") is not None and _same_tensor(named.get("shift_labels"),
                                                                       batch_tensors.get("shift_labels")):
         named.pop("shift_labels", None)  # the collate step's next-token targets mean nothing to a masked LM
+    if getattr(model, "loss_type", None) == "ForSequenceClassification":
+        return (), named  # its labels are per row: its pooling and loss run over the whole sequence
     if named.get("labels") is not None and named.get("shift_labels") is None:
         labels = named["labels"]
         if not isinstance(labels, torch.Tensor) or tuple(labels.shape[:2]) != shard.shard_shape:

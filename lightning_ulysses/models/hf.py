@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_ulysses import _compat
-from lightning_ulysses.models import vision_language
+from lightning_ulysses.models import sequence_classification, vision_language
 from lightning_ulysses.models.calls import (accepts_position_ids, install_backbone_call_completion,
                                           install_call_completion, remove_call_completion)
 from lightning_ulysses.models.hf_attention import ATTENTION_PREFIX, CONTEXT_ATTRIBUTE
@@ -105,7 +105,10 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
     saved.marked_modules = [m for m in model.modules() if hasattr(m, "config")]
     for module in saved.marked_modules:
         module.__dict__[CONTEXT_ATTRIBUTE] = context
-    model.loss_function = SequenceParallelLossFunction(context)
+    if sequence_classification.is_sequence_classifier(model):
+        sequence_classification.install(model, context)  # pools at the last token of the whole sequence
+    else:
+        model.loss_function = SequenceParallelLossFunction(context)
     if not saved.hooks:
         saved.hooks.append(model.register_forward_pre_hook(_refuse_router_aux_loss, with_kwargs=True))
     install_call_completion(model, context, hf_model=True)
@@ -175,6 +178,7 @@ def restore_model(model: nn.Module) -> None:
     for hook in saved.hooks:
         hook.remove()
     remove_call_completion(model)
+    sequence_classification.remove(model)
     if saved.had_loss_function:
         model.__dict__["_loss_function"] = saved.loss_function
     else:

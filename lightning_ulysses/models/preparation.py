@@ -25,6 +25,7 @@ from lightning_ulysses.models import (
     memory,
     moe,
     refusals,
+    sequence_classification,
 )
 from lightning_ulysses.parallel.attention import (
     ModuleSelector,
@@ -161,7 +162,10 @@ class PreparedModels:
             return False
         probe = form_check.build_probe(context.shard_info, ids, layout.geometry, layout.sp_rank, layout.sp_group,
                                        form_check.longest_window(self.hf_models))
-        targets = [(m, form_check.whole_hf_call, form_check.sharded_hf_call) for m in self.hf_models]
+        # a sequence classifier's pooling runs over the whole sequence (sequence_classification.py): its backbone is
+        # the part that is sharded, per token
+        targets = [(sequence_classification.backbone_of(m) if sequence_classification.is_sequence_classifier(m)
+                    else m, form_check.whole_hf_call, form_check.sharded_hf_call) for m in self.hf_models]
         targets += [(root, form_check.whole_own_call, form_check.sharded_own_call) for root in self.form_check_roots]
         targets += [(m, form_check.whole_litgpt_call, form_check.sharded_own_call) for m in self.litgpt]
         form_check.check_model_form(targets, probe, context, device, lambda: self.plain(context))

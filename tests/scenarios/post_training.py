@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import UlyssesDeepSpeedStrategy
 from lightning_ulysses.training import loss_graph
 from tests.support.models import SEED
-from tests.support.objectives import (LEARNING_RATES, OBJECTIVES, ONE_DEVICE_CODE, SequenceParallel, build_models, collate_pairs,
-                                      preference_rows, trainable)
+from tests.support.objectives import (LEARNING_RATES, OBJECTIVES, ONE_DEVICE_CODE, SequenceParallel, build_models,
+                                      collate_pairs, preference_rows, trainable, trained_weights)
 from tests.support.training import make_trainer, run_cases
 
 LR = 0.2
@@ -26,7 +26,7 @@ LR = 0.2
 class PostTraining(LightningModule):
     def __init__(self, case: dict) -> None:
         super().__init__()
-        for name, model in build_models().items():
+        for name, model in build_models(classifier=case["objective"].startswith("classifier")).items():
             setattr(self, name, model)
         self.case = case
         self.losses: list[float] = []
@@ -52,8 +52,7 @@ class PostTraining(LightningModule):
 def _weights(module, strategy) -> dict[str, torch.Tensor]:
     import deepspeed
 
-    params = {f"policy.{k}": v for k, v in module.policy.named_parameters()}
-    params.update({f"value_head.{k}": v for k, v in module.value_head.named_parameters()})
+    params = trained_weights(module)
     with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None, enabled=strategy.zero_stage_3):
         return {k: v.detach().float().clone() for k, v in params.items()}
 
@@ -93,7 +92,7 @@ class FabricObjective(torch.nn.Module):
 
     def __init__(self, objective: str) -> None:
         super().__init__()
-        for name, model in build_models().items():
+        for name, model in build_models(classifier=objective.startswith("classifier")).items():
             setattr(self, name, model)
         self.objective = objective
         self.ops = None
@@ -131,7 +130,7 @@ def fabric_fit(case: dict) -> dict:
         losses.append(float(loss.detach()))
     import deepspeed
 
-    params = {k: v for k, v in model.module.named_parameters() if k.startswith(("policy.", "value_head."))}
+    params = trained_weights(model.module)
     with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None, enabled=case["stage"] == 3):
         weights = {k: v.detach().float().clone() for k, v in params.items()}
     strategy.teardown()

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 BETA = 0.5
-LEARNING_RATES = {"ipo": 0.01}  # SGD steps per objective (default 0.2): IPO's squared loss diverges at 0.2
+LEARNING_RATES = {"ipo": 0.01, "classifier_own_loss": 0.01}  # SGD step sizes (default 0.2): squared losses diverge at 0.2
 
 
 class OneDevice:
@@ -173,6 +173,19 @@ def embedding(ops, module, batch, pooling: str = "mean", temperature: float = 0.
     return F.cross_entropy(scores, torch.arange(scores.shape[0]))
 
 
+def classifier_pairs(ops, module, batch):
+    """A reward model built as ``AutoModelForSequenceClassification``: Bradley-Terry on its pooled scores."""
+    scores = module.classifier(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    chosen, rejected = _halves(scores)
+    return -F.logsigmoid(chosen - rejected).mean()
+
+
+def classifier_own_loss(ops, module, batch):
+    """The classifier's own ``.loss`` (one label: regression on the per-row ``advantages``)."""
+    return module.classifier(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             labels=batch["advantages"]).loss
+
+
 def embedding_gathered(ops, module, batch, temperature: float = 0.1):
     """Mean pooling over the whole rows, gathered (the differentiable ``gather_sequence``)."""
     hidden, mask = ops.whole_rows(ops.hidden(module.policy, batch).float(), batch)
@@ -205,6 +218,8 @@ OBJECTIVES = {
     "embedding_mean": lambda ops, m, b: embedding(ops, m, b, "mean"),
     "embedding_last": lambda ops, m, b: embedding(ops, m, b, "last"),
     "embedding_gathered": embedding_gathered,
+    "classifier_pairs": classifier_pairs,
+    "classifier_own_loss": classifier_own_loss,
     "grpo_sequence": lambda ops, m, b: grpo(ops, m, b, "sequence"),
     "grpo_token": lambda ops, m, b: grpo(ops, m, b, "token"),
 }
@@ -289,9 +304,11 @@ def collate_pairs(pairs: list[list[dict]]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def build_models(seed: int = 0) -> dict[str, torch.nn.Module]:
+def build_models(seed: int = 0, classifier: bool = False) -> dict[str, torch.nn.Module]:
     """The policy, its frozen reference (the same initial weights), a frozen teacher of another width and a value
-    head."""
+    head; with ``classifier``, also a reward model built as ``AutoModelForSequenceClassification`` (one label)."""
+    from transformers import AutoModelForSequenceClassification
+
     from tests.support.models import build_llama, tiny_llama_config
 
     policy = build_llama(tiny_llama_config(), seed)
@@ -299,8 +316,21 @@ def build_models(seed: int = 0) -> dict[str, torch.nn.Module]:
     teacher = build_llama(tiny_llama_config(num_heads=2, num_kv_heads=2), seed + 1).requires_grad_(False).eval()
     torch.manual_seed(seed + 2)
     value_head = torch.nn.Linear(policy.config.hidden_size, 1)
-    return {"policy": policy, "ref": ref, "teacher": teacher, "value_head": value_head}
+    models = {"policy": policy, "ref": ref, "teacher": teacher, "value_head": value_head}
+    if classifier:
+        config = tiny_llama_config()
+        config.num_labels = 1
+        torch.manual_seed(seed + 3)
+        models["classifier"] = AutoModelForSequenceClassification.from_config(config)
+    return models
 
 
 def trainable(module) -> list[torch.nn.Parameter]:
-    return [*module.policy.parameters(), *module.value_head.parameters()]
+    extra = list(module.classifier.parameters()) if hasattr(module, "classifier") else []
+    return [*module.policy.parameters(), *module.value_head.parameters(), *extra]
+
+
+def trained_weights(module) -> dict[str, torch.nn.Parameter]:
+    """The trainable parameters by name (what the parity tests compare)."""
+    return {name: p for name, p in module.named_parameters() if name.startswith(("policy.", "value_head.",
+                                                                                   "classifier."))}
