@@ -116,6 +116,23 @@ def test_the_loss_check_walks_a_handful_of_nodes(runs):
     assert max(walked.values()) < 200, walked
 
 
+def test_the_frozen_reference_runs_on_the_shard(runs):
+    """The frozen reference of DPO is prepared like the policy: its decoder layers hold this rank's S/sp tokens, so its
+    activation memory per rank is 1/sp of one device's (fp32 bytes of one layer's output printed)."""
+    for rank in runs:
+        result = rank["dpo_zero2"]
+        shapes = [shape for shape in result["frozen_layer_outputs"] if shape[0] > 1]  # the model-form probe aside
+        assert len(shapes) == STEPS
+        for shape, padded in zip(shapes, result["step_lengths"]):
+            assert shape[1] == padded // 2, (shape, padded)
+    result = runs[0]["dpo_zero2"]
+    shape = [s for s in result["frozen_layer_outputs"] if s[0] > 1][0]
+    padded = result["step_lengths"][0]
+    ours, whole = 4 * shape[0] * shape[1] * shape[2], 4 * shape[0] * padded * shape[2]
+    print(f"[measured] frozen reference, one decoder layer's output per rank: {shape} = {ours} bytes at sp=2;"
+          f" one device: [{shape[0]}, {padded}, {shape[2]}] = {whole} bytes")
+
+
 @pytest.mark.parametrize("name", REFUSED)
 def test_one_device_code_is_refused_on_every_rank_before_a_weight_changes(runs, name):
     for results in runs:

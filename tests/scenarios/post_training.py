@@ -31,11 +31,17 @@ class PostTraining(LightningModule):
         self.case = case
         self.losses: list[float] = []
         self.walked: list[int] = []  # graph nodes the shard-local-loss check visits, per step
+        self.frozen_layer_outputs: list[list[int]] = []  # the frozen reference's first decoder layer output shapes
+        self.step_lengths: list[int] = []  # the full batch's padded length per step
+        self.ref.model.layers[0].register_forward_hook(
+            lambda m, args, out: self.frozen_layer_outputs.append(list((out[0] if isinstance(out, tuple) else
+                                                                         out).shape)))
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(preference_rows(), batch_size=2, collate_fn=collate_pairs)
 
     def training_step(self, batch, batch_idx):
+        self.step_lengths.append(self.trainer.strategy.current_shard_info.padded_len)
         name = self.case["objective"]
         if name in ONE_DEVICE_CODE:
             loss = ONE_DEVICE_CODE[name](self, batch)
@@ -74,7 +80,8 @@ def _fit(case: dict) -> dict:
         result.update(error_type=type(err).__name__, message=str(err))
     result["seconds"] = time.monotonic() - start
     weights = _weights(module, strategy)
-    result.update(losses=module.losses, walked=module.walked,
+    result.update(losses=module.losses, walked=module.walked, frozen_layer_outputs=module.frozen_layer_outputs,
+                  step_lengths=module.step_lengths,
                   weights=weights if dist.get_rank() == 0 else None,
                   weights_unchanged=all(torch.equal(initial[k], weights[f"policy.{k}"]) for k in initial)
                   if result["error_type"] else None)
