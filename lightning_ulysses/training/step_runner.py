@@ -202,7 +202,26 @@ class StepRunner:
 
     def cross_entropy(self, logits: torch.Tensor, shift_labels: torch.Tensor,
                       weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._check_row_weights(weight, "cross_entropy")
         return step_cross_entropy(self.context, logits, shift_labels, weight=weight)
+
+    def _check_row_weights(self, weights: Optional[torch.Tensor], what: str) -> None:
+        """Per-sample ``[B]`` weights are properties of whole rows: the same on every SP rank. Weights computed in
+        the step from shard tensors (e.g. ``1 / (batch["shift_labels"] != -100).sum(1)``, this rank's count) are not;
+        they are refused on every rank (one all-reduce of ``[2B]``, only for calls given ``[B]`` weights)."""
+        if weights is None or not isinstance(weights, torch.Tensor) or weights.ndim != 1 or self.layout.sp_size == 1:
+            return
+        w = weights.detach().to(self.device, torch.float64)
+        both = torch.cat([w, -w])  # [2B]: MAX over the group gives each weight's max and -min
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.layout.sp_group)
+        if not torch.equal(both[:w.numel()], -both[w.numel():]):
+            raise ValueError(
+                f"{what}: the per-sample weights [B] differ between the ranks of a sequence-parallel group, so they"
+                " were computed from this rank's shard (e.g. `1 / (batch[\"shift_labels\"] != -100).sum(1)`, which"
+                " counts this rank's targets only); no weight was changed. Per-row counts over the whole sequence:"
+                " `strategy.sequence_count(mask)`; per-row sums and means: `strategy.sequence_sum`,"
+                " `strategy.sequence_mean` (docs/post-training.md)."
+            )
 
     def token_mean(self, values: torch.Tensor, weights: Optional[torch.Tensor] = None,
                    mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -212,6 +231,7 @@ class StepRunner:
         if tuple(values.shape[:2]) != shard.shard_shape:
             raise ValueError(f"token_mean: values must be [B, s] = {list(shard.shard_shape)} (this rank's shard),"
                              f" got {list(values.shape)}.")
+        self._check_row_weights(weights, "token_mean")
         if mask is None:
             mask = self._default_token_mask(shard)
         w = mask.to(values.device).float()

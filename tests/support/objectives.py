@@ -261,8 +261,17 @@ def nan_everywhere(module, batch):
     return strategy.sequence_mean(logps, torch.zeros_like(mask, dtype=torch.bool)).mean()
 
 
+def row_weight_from_shard(module, batch):
+    """Per-sample weights from the shard's target counts (SFT averaged per sample, the one-device way)."""
+    strategy = module.trainer.strategy
+    logits, targets = SequenceParallel(strategy).logits_and_targets(module.policy, batch)
+    logps, mask = token_logps(logits, targets)
+    counts = (batch["shift_labels"] != -100).sum(1).clamp(min=1)  # this rank's count of each row's targets
+    return strategy.token_mean(-logps, weights=1.0 / counts)
+
+
 ONE_DEVICE_CODE = {"dpo_one_device_code": dpo_one_device_code, "simpo_one_device_code": simpo_one_device_code,
-                   "nan_everywhere": nan_everywhere}
+                   "nan_everywhere": nan_everywhere, "row_weight_from_shard": row_weight_from_shard}
 
 
 # ---------------------------------------------------------------------------------------------- data and models
