@@ -215,7 +215,8 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
             out, _ = inner(view, q, k, v, None, **kwargs)  # [B, S, hq, D]
         if blocks:  # the rows of the image blocks' queries, over the keys their blocks let them see
             out = attend_image_blocks(_masked_attention(inner, view, kwargs), q, k, v, out, blocks, window)
-        return head_to_sequence_shards(out, group, query.shape[1]), None  # [B, s, Hq, D]
+        # [B, s, Hq, D], contiguous as transformers' own kernels return it (JetMoE and AFMoE `.view` it)
+        return head_to_sequence_shards(out, group, query.shape[1]).contiguous(), None
 
     ulysses_attention_forward.__name__ = f"ulysses_{inner_name}_forward"
     return ulysses_attention_forward

@@ -147,6 +147,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                                                       "num_attention_heads": 3, "num_key_value_heads": 3,
                                                       "head_dim": 16, "num_local_experts": 4,
                                                       "num_experts_per_tok": 2}},
+    # attention output `.view`ed by the model (the Ulysses attention returns it contiguous, as transformers does)
+    "jetmoe": {"type": "jetmoe", "config": {"kv_channels": 16, "num_local_experts": 4, "num_experts_per_tok": 2}},
+    "afmoe": {"type": "afmoe"},
     # refused before compute
     "doge": {"type": "doge", "expect": "attention_mask"},
     "gemma2_eager": {"type": "gemma2", "attn": "eager",
