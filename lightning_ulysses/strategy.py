@@ -264,7 +264,10 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's DeepSpeed optimizer step; at ZeRO-3 the gradient partitions are then cleared, so that a
         parameter the next window does not use is not moved by this step's gradient again
-        (:func:`~lightning_ulysses._compat.clear_zero3_gradient_partitions`)."""
+        (:func:`~lightning_ulysses._compat.clear_zero3_gradient_partitions`). Manual optimization: a step without a
+        backward pass through the strategy (``loss.backward()`` in the step) is refused first."""
+        if self._runner is not None and not self.lightning_module.automatic_optimization:
+            self._runner.before_manual_optimizer_step()
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.zero_stage_3:
             _compat.clear_zero3_gradient_partitions(self.deepspeed_engine.optimizer)

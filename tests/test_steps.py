@@ -65,7 +65,12 @@ def _sample_weighted(model, b):
     return (tok * w).sum() / w.sum()
 
 
+def _edited_labels(model, b):
+    return model(input_ids=b["input_ids"], labels=b["labels"].masked_fill(b["labels"] < 40, -100)).loss
+
+
 REFERENCE = {
+    "edited_labels": _edited_labels,
     "model_loss": _model_loss, "labels_no_positions": _model_loss, "positional_args": _model_loss,
     "labels_are_input_ids": _model_loss, "helper_no_positions": _model_loss,
     "shift_labels_no_positions": _model_loss, "mask_and_labels": _with_mask, "regulariser": _regularised,
@@ -146,6 +151,7 @@ EXACT = [
        "shift_labels_no_positions")),
     *(_exact("mask_and_labels", stage, data="padded", batch_size=2, global_batch=2) for stage in (2, 3)),
     *(_exact("regulariser", stage) for stage in (0, 1, 2)),
+    *(_exact("edited_labels", stage) for stage in (2, 3)),
     *(_exact("scaled_plus_token_mean_aux", stage) for stage in (2, 3)),
     *(_exact("squared_global_mean", stage) for stage in (0, 3)),
     *(_exact(step, stage, data="weighted", batch_size=2, global_batch=2) for stage in (2, 3)
@@ -183,6 +189,8 @@ REFUSED_CASES = [{"name": f"{step}-zero{stage}", "step": step, "stage": stage}
 REFUSED_CASES.append({"name": "regulariser-zero3", "step": "regulariser", "stage": 3})
 REFUSED_CASES += [{"name": f"per_shard_cross_entropy-manual-zero{stage}", "step": "per_shard_cross_entropy",
                    "stage": stage, "manual": True} for stage in (2, 3)]
+REFUSED_CASES += [{"name": f"raw_backward-manual-zero{stage}", "step": "model_loss", "stage": stage, "manual": True,
+                   "raw_backward": True} for stage in (2, 3)]
 
 GENERATION = [{"name": f"generate-{ranks}-zero{stage}", "step": "model_loss", "stage": stage, "generate": ranks,
                "max_steps": 2} for ranks, stages in (("all", (0, 1, 2, 3)), ("rank0", (0, 1, 2))) for stage in stages]
@@ -247,6 +255,8 @@ def test_wrong_training_step_stops_every_rank_before_a_weight_changes(results, n
     step = name.rsplit("-zero", 1)[0].replace("-manual", "")
     if name == "regulariser-zero3":
         error_type, phrases = "ValueError", ("ZeRO stage 3", "partitioned", "weight_decay")
+    elif step == "raw_backward":
+        error_type, phrases = "ValueError", ("loss.backward()", "self.manual_backward(loss)")
     else:
         error_type, *phrases = REFUSED[step]
     for r in results[name]:

@@ -256,6 +256,12 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
         named.pop("shift_labels", None)  # the collate step's next-token targets mean nothing to a masked LM
     if getattr(model, "loss_type", None) == "ForSequenceClassification":
         return (), named  # its labels are per row: its pooling and loss run over the whole sequence
+    if (not masked_lm and named.get("labels") is not None and named["labels"] is not batch_tensors.get("labels")
+            and _same_tensor(named.get("shift_labels"), batch_tensors.get("shift_labels"))):
+        # labels edited in the step (`batch["labels"] = batch["labels"].masked_fill(...)`, then `**batch`): the
+        # collate step's shift_labels were built from the loader's labels, so they are built again from these (the
+        # same on every rank: each one ran the same step code, so every SP rank takes this branch)
+        named.pop("shift_labels")
     if named.get("labels") is not None and named.get("shift_labels") is None:
         labels = named["labels"]
         if not isinstance(labels, torch.Tensor) or tuple(labels.shape[:2]) != shard.shard_shape:

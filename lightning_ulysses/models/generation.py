@@ -10,6 +10,10 @@ that calls it, so :func:`install_plain_generate` wraps the prepared model's ``ge
   rank, with ``synced_gpus=True`` (set here) so that ranks finishing early keep joining the gathers. A rendezvous
   through the process group's store comes first: if not every rank arrives within :data:`RENDEZVOUS_SECONDS`
   (generation called on one rank only) this rank raises a clear error instead of hanging in the first gather.
+
+Inside a step (``predict_step``, ``validation_step``, ...) the prompt a user passes is the batch's ``input_ids``:
+this rank's shard. Generation then runs on the whole prompt, gathered over the SP group (one all-gather of the token
+ids, and of the ``attention_mask`` when given), so every rank returns one device's tokens.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import os
 import time
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses.models import hf
+from lightning_ulysses.training import sequence_reductions
 from lightning_ulysses.training.step_context import StepContext
 
 RENDEZVOUS_SECONDS = float(os.environ.get("ULYSSES_GENERATE_RENDEZVOUS_SECONDS", 30))
@@ -44,6 +50,7 @@ def install_plain_generate(model: nn.Module, context: StepContext, zero_stage_3:
 
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _whole_prompt(args, kwargs, context)
         if zero_stage_3 and dist.is_initialized() and dist.get_world_size() > 1:
             calls["n"] += 1
             _rendezvous(f"ulysses_generate/{calls['n']}", type(model).__name__)
@@ -52,6 +59,26 @@ def install_plain_generate(model: nn.Module, context: StepContext, zero_stage_3:
             return original(*args, **kwargs)
 
     model.__dict__["generate"] = generate
+
+
+def _whole_prompt(args: tuple, kwargs: dict, context: StepContext) -> tuple[tuple, dict]:
+    """Inside a step, a prompt that is this rank's shard of the batch (``[B, s]``) replaced by the whole rows
+    (``[B, S]``, gathered over the SP group), its ``attention_mask`` too; anything else as given."""
+    shard = context.shard_info
+    if not context.in_step or shard is None or shard.shard_shape is None or context.plain:
+        return args, kwargs
+    prompt = args[0] if args else kwargs.get("input_ids")
+    if not isinstance(prompt, torch.Tensor) or prompt.ndim != 2 or tuple(prompt.shape) != tuple(shard.shard_shape):
+        return args, kwargs
+    whole = sequence_reductions.gather_sequence(prompt, shard, context.sp_group, None)  # [B, s] -> [B, S]
+    if args:
+        args = (whole, *args[1:])
+    else:
+        kwargs = {**kwargs, "input_ids": whole}
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and tuple(mask.shape) == tuple(shard.shard_shape):
+        kwargs["attention_mask"] = sequence_reductions.gather_sequence(mask, shard, context.sp_group, None)
+    return args, kwargs
 
 
 def remove_plain_generate(model: nn.Module) -> None:

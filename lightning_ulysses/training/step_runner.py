@@ -40,6 +40,16 @@ if TYPE_CHECKING:  # the models layer sits above this one: only its type is name
 STEP_KINDS = ("train", "validate", "test", "predict")
 
 
+def manual_backward_error() -> str:
+    return (
+        "With manual optimization, `optimizer.step()` was called with no backward pass through the strategy since"
+        " the last step: `training_step` called `loss.backward()` itself. Under DeepSpeed (and sequence parallelism)"
+        " the backward pass must go through the strategy: DeepSpeed reduces the ZeRO gradient partitions there, and"
+        " the strategy applies the gradient factor and checks the loss. No weight was changed. Write"
+        " `self.manual_backward(loss)` instead of `loss.backward()`."
+    )
+
+
 class StepRunner:
     """Runs the strategy's part of every step (see the module docstring).
 
@@ -70,6 +80,7 @@ class StepRunner:
         self.shift_labels: Optional[torch.Tensor] = None  # the running step's batch["shift_labels"]
         self.form_check_pending = False
         self.form_checks_run = 0
+        self.backward_calls = 0  # backward passes through the strategy since the last optimizer step
 
     def begin_stage(self) -> None:
         """A Trainer stage starts (fit, validate, test, predict): the model-form check runs before its first step."""
@@ -111,7 +122,7 @@ class StepRunner:
         context = self.context
         self.shift_labels = batch.get("shift_labels") if isinstance(batch, dict) else None
         context.step_batch_tensors = ({key: batch.get(key) for key in ("position_ids", "attention_mask",
-                                                                        "shift_labels")}
+                                                                        "shift_labels", "labels")}
                                       if isinstance(batch, dict) else {})
         context.inside_prepared_model = 0  # (a model call that raised may have left it counted)
         if kind == "train":
@@ -159,6 +170,7 @@ class StepRunner:
         are the same on every rank stay exact), then, before any weight changes, check that the SP peers
         back-propagated the same loss through the same use of the strategy's SP losses."""
         context = self.context
+        self.backward_calls += 1
         received = context.incoming_gradients  # the SP losses of this step's forward record into this list
         value = loss.detach()
         shard_local = loss_graph.shard_local_path(loss) if self.agreement is not None else None
@@ -172,6 +184,14 @@ class StepRunner:
             context.incoming_gradients = []  # for the next forward pass
         if self.agreement is not None:
             self.agreement.verify_loss(value, received, where=where, shard_local=shard_local)
+
+    def before_manual_optimizer_step(self) -> None:
+        """Manual optimization: an optimizer step with no backward pass through the strategy since the last one
+        means the step called ``loss.backward()`` itself (DeepSpeed's ZeRO step then fails inside with a KeyError,
+        and the loss had neither the gradient factor nor the checks): refused before the weights change."""
+        if self.backward_calls == 0:
+            raise ValueError(manual_backward_error())
+        self.backward_calls = 0
 
     # ------------------------------------------------------------------------------------------ predictions
     def gather_prediction(self, output: Any, local_shape: Optional[tuple[int, int]]) -> Any:

@@ -68,6 +68,7 @@ STEPS: dict[str, Callable[[Any, dict], torch.Tensor]] = {
     "shift_labels_no_positions": lambda m, b: m.model(input_ids=b["input_ids"], labels=b["labels"],
                                                       shift_labels=b["shift_labels"]).loss,
     "regulariser": lambda m, b: m.model(**b).loss + _regulariser(m),
+    "edited_labels": lambda m, b: _edited_labels(m, b),
     "squared_global_mean": lambda m, b: _squared_global_mean(m, b),
     "scaled_plus_token_mean_aux": lambda m, b: _scaled_plus_aux(m, b),
     "weighted_tokens": lambda m, b: m.trainer.strategy.cross_entropy(
@@ -86,6 +87,12 @@ STEPS: dict[str, Callable[[Any, dict], torch.Tensor]] = {
     "custom_mask": lambda m, b: m.model(input_ids=b["input_ids"], labels=b["labels"],
                                         attention_mask=torch.ones_like(b["input_ids"]).tril(-1)).loss,
 }
+
+
+def _edited_labels(module, batch) -> torch.Tensor:
+    """Labels edited in the step (low token ids masked out), then the whole batch passed on."""
+    batch["labels"] = batch["labels"].masked_fill(batch["labels"] < 40, -100)
+    return module.model(**batch).loss
 
 
 def _scaled_plus_aux(module, batch) -> torch.Tensor:
@@ -141,7 +148,10 @@ class StepModule(CausalLM):
         if self.automatic_optimization:
             return loss
         optimizer = self.optimizers()
-        self.manual_backward(loss)
+        if self.case.get("raw_backward"):  # what a one-device manual loop writes
+            loss.backward()
+        else:
+            self.manual_backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         return loss.detach()

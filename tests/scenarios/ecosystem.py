@@ -1,0 +1,57 @@
+"""Lightning's ecosystem under SP=2 (``tests/test_ecosystem.py``): ``generate()`` inside ``predict_step`` and
+``validation_step`` on the batch's (sharded) prompt."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import seed_everything
+from torch.utils.data import DataLoader
+
+from lightning_ulysses import UlyssesDeepSpeedStrategy
+from tests.support.models import SEED, CausalLM, TokenDataset, tiny_llama_config
+from tests.support.training import LAUNCH_WORLD_SIZE, make_trainer
+
+NEW_TOKENS = 8
+
+
+class Generating(CausalLM):
+    """``self.model.generate(batch["input_ids"], ...)`` in predict and validation steps, as on one device."""
+
+    def __init__(self) -> None:
+        super().__init__(tiny_llama_config(num_kv_heads=2), dataset=TokenDataset(4, 16))
+        self.validation_tokens: list[list[list[int]]] = []
+
+    def predict_step(self, batch, batch_idx):
+        return self.model.generate(batch["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False)
+
+    def validation_step(self, batch, batch_idx):
+        out = self.model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                  max_new_tokens=NEW_TOKENS, do_sample=False)
+        self.validation_tokens.append(out.tolist())
+
+
+def _rows() -> list[dict[str, torch.Tensor]]:
+    rows = TokenDataset(2, 16, seed=11).rows
+    return [{"input_ids": r, "attention_mask": torch.ones_like(r)} for r in rows]
+
+
+def generate_in_steps(case: dict) -> dict:
+    os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
+    seed_everything(SEED, verbose=False)
+    module = Generating()
+    weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=case["stage"]), 1)
+    predictions = trainer.predict(module, DataLoader(_rows(), batch_size=1), return_predictions=True)
+    os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
+    trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=case["stage"]), 1, limit_val_batches=1.0)
+    trainer.validate(module, DataLoader(_rows(), batch_size=1))
+    return {"predictions": [p.tolist() for p in predictions], "validation": module.validation_tokens,
+            "weights": weights if dist.get_rank() == 0 else None}
+
+
+def run(payload: dict) -> dict[str, Any]:
+    return {case["name"]: generate_in_steps(case) for case in payload["cases"]}
