@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.context import ShardInfo
+from lightning_ulysses.parallel.outputs import GatherSequence
 
 
 class SequenceSum(torch.autograd.Function):
@@ -43,44 +44,6 @@ class SequenceSum(torch.autograd.Function):
         if ctx.record is not None:
             ctx.record.append(grad.detach())
         return grad * ctx.share_factor, None, None, None
-
-
-class GatherSequence(torch.autograd.Function):
-    """Forward: ``[B, s, ...]`` shards of the SP group -> ``[B, S, ...]`` in sequence order (the padding to the SP
-    multiple removed). Backward: the exact adjoint, a reduce-scatter (sum) of the ``[B, S, ...]`` gradients back to
-    each rank's positions, appended to ``record`` (if given)."""
-
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, group: dist.ProcessGroup, global_index: torch.Tensor,  # type: ignore[override]
-                seq_len: int, record: Optional[list]) -> torch.Tensor:
-        sp = dist.get_world_size(group)
-        ctx.group, ctx.global_index, ctx.seq_len, ctx.record, ctx.sp = group, global_index, seq_len, record, sp
-        shard = shard.detach().contiguous()
-        B, s = shard.shape[:2]
-        pieces = torch.empty((sp * B, *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(pieces, shard, group=group)  # [sp·B, s, ...], rank-major
-        indices = torch.empty(sp * s, dtype=torch.long, device=shard.device)
-        dist.all_gather_into_tensor(indices, global_index.to(shard.device), group=group)  # [sp·s] global positions
-        ctx.indices = indices
-        rows = pieces.view(sp, B, *shard.shape[1:]).transpose(0, 1).reshape(B, sp * s, *shard.shape[2:])
-        full = torch.empty_like(rows)  # [B, S_pad, ...]
-        full[:, indices] = rows  # each entry at its global position
-        return full[:, :seq_len].clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        if ctx.record is not None:
-            ctx.record.append(grad.detach())
-        sp, indices = ctx.sp, ctx.indices
-        B = grad.shape[0]
-        padded = grad.new_zeros((B, indices.numel(), *grad.shape[2:]))  # [B, S_pad, ...]
-        padded[:, :ctx.seq_len] = grad
-        rows = padded[:, indices]  # [B, sp·s, ...] rank-major
-        s = indices.numel() // sp
-        stacked = rows.view(B, sp, s, *grad.shape[2:]).transpose(0, 1).contiguous()  # [sp, B, s, ...]
-        mine = grad.new_empty((B, s, *grad.shape[2:]))
-        dist.reduce_scatter_tensor(mine, stacked.view(sp * B, s, *grad.shape[2:]), group=ctx.group)  # [B, s, ...]
-        return mine, None, None, None, None
 
 
 SP_REDUCTION_NODES = (SequenceSum._backward_cls, GatherSequence._backward_cls)

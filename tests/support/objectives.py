@@ -58,6 +58,8 @@ class OneDevice:
     def whole_rows(self, values, batch):
         return values, batch["attention_mask"]
 
+    whole_rows_public = whole_rows
+
 
 class SequenceParallel:
     """This rank's shard, reduced with the strategy's API (``strategy``: the Trainer's or Fabric's)."""
@@ -98,6 +100,14 @@ class SequenceParallel:
     def whole_rows(self, values, batch):
         """The whole rows on every rank (differentiable), with their padding mask."""
         return self.strategy.gather_sequence(values), self.strategy.gather_sequence(batch["attention_mask"])
+
+    def whole_rows_public(self, values, batch):
+        """The same with the package-level ``lightning_ulysses.gather_sequence(tensor, group, seq_len)``."""
+        from lightning_ulysses import gather_sequence
+
+        seq_len = self.strategy.current_shard_info.seq_len
+        return (gather_sequence(values, self.strategy.sp_group, seq_len),
+                gather_sequence(batch["attention_mask"], self.strategy.sp_group, seq_len))
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,9 +196,10 @@ def classifier_own_loss(ops, module, batch):
                              labels=batch["advantages"]).loss
 
 
-def embedding_gathered(ops, module, batch, temperature: float = 0.1):
+def embedding_gathered(ops, module, batch, temperature: float = 0.1, public: bool = False):
     """Mean pooling over the whole rows, gathered (the differentiable ``gather_sequence``)."""
-    hidden, mask = ops.whole_rows(ops.hidden(module.policy, batch).float(), batch)
+    gather = ops.whole_rows_public if public else ops.whole_rows
+    hidden, mask = gather(ops.hidden(module.policy, batch).float(), batch)
     mask = mask[..., None].to(hidden.dtype)
     pooled = (hidden * mask).sum(1) / mask.sum(1)
     queries, documents = _halves(F.normalize(pooled, dim=-1))
@@ -218,6 +229,7 @@ OBJECTIVES = {
     "embedding_mean": lambda ops, m, b: embedding(ops, m, b, "mean"),
     "embedding_last": lambda ops, m, b: embedding(ops, m, b, "last"),
     "embedding_gathered": embedding_gathered,
+    "embedding_gathered_public": lambda ops, m, b: embedding_gathered(ops, m, b, public=True),
     "classifier_pairs": classifier_pairs,
     "classifier_own_loss": classifier_own_loss,
     "grpo_sequence": lambda ops, m, b: grpo(ops, m, b, "sequence"),
