@@ -35,3 +35,55 @@ def test_generate_in_predict_and_validation_steps_is_one_devices(runs, stage):
         result = rank[f"zero{stage}"]
         assert result["predictions"] == expected
         assert result["validation"] == expected
+
+
+# ------------------------------------------------------------------------------------------------ weight averaging
+EMA_CASES = [{"name": "zero2", "stage": 2}, {"name": "zero3", "stage": 3},
+             {"name": "zero3-partitioned", "stage": 3, "partitioned": True}]
+
+
+@pytest.fixture(scope="module")
+def ema_runs():
+    return launch(2, "ecosystem:run_ema", {"cases": EMA_CASES}, timeout=600)
+
+
+def _one_device_ema() -> dict:
+    from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
+
+    from tests.support.models import TokenDataset, build_llama, lightning_order
+
+    model = build_llama(tiny_llama_config(num_kv_heads=2), 0)
+    average = AveragedModel(model, avg_fn=get_ema_avg_fn(decay=0.5), use_buffers=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    dataset = TokenDataset(8, 16)
+    for index in lightning_order(8)[:3]:
+        row = dataset[index]
+        loss = model(input_ids=row["input_ids"][None], labels=row["labels"][None]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        average.update_parameters(model)
+    return {k: v.detach().clone() for k, v in average.module.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_ema_weight_averaging_is_one_devices(ema_runs, name):
+    """ZeRO 2, and ZeRO 3 with every parameter whole (below stage3_param_persistence_threshold)."""
+    for rank in ema_runs:
+        assert rank[name]["error_type"] is None, rank[name]["message"]
+    from tests.support.models import build_llama
+
+    expected = _one_device_ema()
+    initial = dict(build_llama(tiny_llama_config(num_kv_heads=2), 0).named_parameters())
+    got = ema_runs[0][name]["weights"]
+    worst = max(float((got[k] - v).norm() / (v - initial[k]).norm()) for k, v in expected.items()
+                if float((v - initial[k]).norm()) > 0)
+    assert worst <= 1e-4, worst  # of each parameter's change by the averaged training
+
+
+def test_ema_on_partitioned_parameters_is_refused_before_a_weight_changes(ema_runs):
+    for rank in ema_runs:
+        result = rank["zero3-partitioned"]
+        assert result["error_type"] == "ValueError", result["message"]
+        assert "EMAWeightAveraging" in result["message"] and "stage=2" in result["message"]
+        assert result["global_step"] == 0 and result["unchanged"]

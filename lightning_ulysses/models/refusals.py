@@ -357,6 +357,32 @@ def _router_loss_per_shard(model: nn.Module) -> bool:
                for module in _modeling_modules(type(model)) for name, value in vars(module).items())
 
 
+def refuse_weight_averaging_on_partitioned_parameters(callbacks: list, module: nn.Module,
+                                                      deepspeed_config: dict) -> None:
+    """Lightning's ``WeightAveraging`` (``EMAWeightAveraging``) keeps an ``AveragedModel`` copy of the whole module,
+    updated from the module's parameters after every optimizer step. At ZeRO-3 a parameter larger than
+    ``stage3_param_persistence_threshold`` is partitioned: the module holds a ``[0]`` placeholder outside forward,
+    and the first update fails after the first optimizer step (a weight already changed). Refused before the engine
+    exists; ZeRO-3 with every parameter below the threshold (nothing partitioned) and ZeRO 0-2 train exactly."""
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    zero = deepspeed_config.get("zero_optimization") or {}
+    if zero.get("stage", 0) != 3 or not any(isinstance(c, WeightAveraging) for c in callbacks):
+        return
+    threshold = zero.get("stage3_param_persistence_threshold", 100_000)
+    partitioned = [name for name, p in module.named_parameters() if p.numel() > threshold]
+    if partitioned:
+        raise ValueError(
+            f"{type(next(c for c in callbacks if isinstance(c, WeightAveraging))).__name__} keeps a whole copy of the"
+            " model and updates it from the model's parameters after every optimizer step, but at ZeRO stage 3"
+            f" {len(partitioned)} parameters (e.g. `{partitioned[0]}`, above stage3_param_persistence_threshold="
+            f"{threshold}) are partitioned across the ranks: the update would fail after the first optimizer step,"
+            " with a weight already changed. Nothing was trained. Train with ZeRO stage 2 (`stage=2`), where the"
+            " weight averaging is exact under sequence parallelism, or keep the average yourself from"
+            " `deepspeed.zero.GatheredParameters` in a callback."
+        )
+
+
 def refuse_tuning_callbacks(callbacks: list) -> None:
     """Lightning's learning-rate finder (``Tuner.lr_find``) cannot drive a DeepSpeed engine: refuse it before compute,
     naming what to do instead (``Tuner.scale_batch_size`` is refused by Lightning itself for distributed runs)."""

@@ -55,3 +55,36 @@ def generate_in_steps(case: dict) -> dict:
 
 def run(payload: dict) -> dict[str, Any]:
     return {case["name"]: generate_in_steps(case) for case in payload["cases"]}
+
+
+def ema(case: dict) -> dict:
+    """``EMAWeightAveraging(decay=0.5)`` over 3 SGD steps; at ZeRO 3 with parameters partitioned (``partitioned``) or
+    not. The final weights are the average (Lightning copies it into the model when training ends)."""
+    import deepspeed
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
+    seed_everything(SEED, verbose=False)
+    module = CausalLM(tiny_llama_config(num_kv_heads=2), dataset=TokenDataset(8, 16))
+    initial = {k: v.detach().clone() for k, v in module.model.named_parameters()}
+    strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=case["stage"])
+    if case.get("partitioned"):
+        strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    trainer = make_trainer(strategy, 3, callbacks=[EMAWeightAveraging(decay=0.5)])
+    result: dict[str, Any] = {"error_type": None, "message": None}
+    try:
+        trainer.fit(module)
+    except Exception as err:  # noqa: BLE001 - the test asserts on type and message
+        result.update(error_type=type(err).__name__, message=str(err))
+    params = dict(module.model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=case["stage"] == 3 and
+                                           result["error_type"] is None):
+        final = {k: v.detach().clone() for k, v in params.items()}
+    result["weights"] = final if dist.get_rank() == 0 else None
+    result["unchanged"] = all(torch.equal(initial[k], final[k]) for k in initial) if result["error_type"] else None
+    result["global_step"] = trainer.global_step
+    return result
+
+
+def run_ema(payload: dict) -> dict[str, Any]:
+    return {case["name"]: ema(case) for case in payload["cases"]}
