@@ -87,3 +87,14 @@ def test_ema_on_partitioned_parameters_is_refused_before_a_weight_changes(ema_ru
         assert result["error_type"] == "ValueError", result["message"]
         assert "EMAWeightAveraging" in result["message"] and "stage=2" in result["message"]
         assert result["global_step"] == 0 and result["unchanged"]
+
+
+# ------------------------------------------------------------------------------------------------ refusals mid-fit
+def test_a_refusal_a_batch_triggers_mid_fit_stops_every_rank_with_the_message():
+    """An encoder batch whose padding lies in one rank's shard only: every rank raises the encoder message (agreed
+    through one all-reduce), none dies in a collective its peer left."""
+    runs = launch(2, "ecosystem:run_refusals", {}, timeout=300)
+    for rank in runs:
+        result = rank["encoder_padding"]
+        assert result["error_type"] == "ValueError", result
+        assert "attends bidirectionally (an encoder), and this batch has padding" in result["message"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses import _compat
@@ -197,7 +198,7 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
             kwargs.pop("sliding_window", None)
         shard = context.shard_info
         if not getattr(module, "is_causal", True):
-            _refuse_unsupported_bidirectional(module, inner_name, context)
+            _refuse_unsupported_bidirectional(module, inner_name, context, query.device)
         if context.ring_size > 1:  # hybrid: q holds this ring rank's S/R tokens, attend over all S
             documents = None
             if shard is not None and shard.packed:  # [B, S]: the document of every global position
@@ -283,7 +284,24 @@ def _refuse_unshardable_inputs(module: nn.Module, attention_mask: Any, kwargs: d
 
 
 
-def _refuse_unsupported_bidirectional(module: nn.Module, inner_name: str, context: StepContext) -> None:
+def padded_anywhere(context: StepContext, shard: Any, device: torch.device) -> bool:
+    """Whether the step's batch has padding on any rank of the SP group: this rank's shard may have none while a
+    peer's has some, so the SP group agrees (one all-reduce of one integer per step, cached for the step's other
+    layers) and every rank refuses together instead of one rank raising while its peers wait in a collective."""
+    cached = context.batch_padding
+    if cached is not None and cached[0] is shard:
+        return cached[1]
+    local = shard.padded_len != shard.seq_len or (
+        shard.attention_mask is not None and not bool(shard.attention_mask.bool().all()))
+    flag = torch.tensor([int(local)], dtype=torch.int32, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(context.sp_group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=context.sp_group)  # [1]: padding on any SP rank?
+    context.batch_padding = (shard, bool(flag.item()))
+    return context.batch_padding[1]
+
+
+def _refuse_unsupported_bidirectional(module: nn.Module, inner_name: str, context: StepContext,
+                                      device: torch.device) -> None:
     """Bidirectional attention (encoders: BERT, ModernBERT) is exact under the exchange over rows without padding;
     refuse what would let real tokens see pads or run a causal kernel."""
     name = type(module).__name__
@@ -293,9 +311,7 @@ def _refuse_unsupported_bidirectional(module: nn.Module, inner_name: str, contex
                          " with ring_size=1 and attn_implementation 'sdpa' or 'flash_attention_2/3'.")
     if shard is None:
         return
-    padded = shard.padded_len != shard.seq_len or (
-        shard.attention_mask is not None and not bool(shard.attention_mask.bool().all()))
-    if padded:
+    if padded_anywhere(context, shard, device):
         raise ValueError(
             f"{name} attends bidirectionally (an encoder), and this batch has padding (a padding mask with zeros, or"
             f" a row length {shard.seq_len} that the strategy pads to {shard.padded_len}, a multiple of the SP"

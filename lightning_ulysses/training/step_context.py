@@ -66,3 +66,4 @@ class StepContext:
     router_token_mask: Optional[torch.Tensor] = None
     zero_stage_3: bool = False
     inside_prepared_model: int = 0
+    batch_padding: Optional[tuple] = None  # (shard, padded on any SP rank): the encoder check's per-step verdict

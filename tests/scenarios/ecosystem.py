@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import seed_everything
+from lightning.pytorch import LightningModule, seed_everything
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
@@ -88,3 +88,54 @@ def ema(case: dict) -> dict:
 
 def run_ema(payload: dict) -> dict[str, Any]:
     return {case["name"]: ema(case) for case in payload["cases"]}
+
+
+# ------------------------------------------------------------------------------------------------ refusals mid-fit
+class EncoderRows(torch.utils.data.Dataset):
+    """Rows of 16 tokens for a BERT masked LM; the last row is padded in its second half only (on the second SP
+    rank's shard)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.arange(5, 21) + i
+        mask = torch.ones(16, dtype=torch.long)
+        if i == 3:
+            mask[12:] = 0
+            ids = ids.masked_fill(mask == 0, 0)
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+class EncoderModule(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.support.forms import _bert
+
+        self.model = _bert(0)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(EncoderRows(), batch_size=1)
+
+
+def encoder_padding_mid_fit(case: dict) -> dict:
+    os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)
+    seed_everything(SEED, verbose=False)
+    trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=2), 4)
+    result: dict[str, Any] = {"error_type": None, "message": None}
+    try:
+        trainer.fit(EncoderModule())
+    except Exception as err:  # noqa: BLE001
+        result.update(error_type=type(err).__name__, message=str(err))
+    result["global_step"] = trainer.global_step
+    return result
+
+
+def run_refusals(payload: dict) -> dict[str, Any]:
+    return {"encoder_padding": encoder_padding_mid_fit({})}
