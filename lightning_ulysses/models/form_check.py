@@ -311,9 +311,10 @@ def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.
                     f" token ids, [1, {length}]) as one device would: {type(err).__name__}: {err}. The check calls the"
                     " model that contains the attention as `model(input_ids)` (Hugging Face models with"
                     " `position_ids`/`attention_mask`, own models with `position_ids` or `input_pos` when their"
-                    " forward takes them). If your model cannot be called that way, switch the check off with"
-                    " `UlyssesDeepSpeedStrategy(check_model_form=False)` and compare a few steps against one device"
-                    " yourself."
+                    " forward takes them). A model the check cannot run is a model the strategy cannot tell is exact"
+                    " under sequence parallelism, so it stops here, before any weight changes; the error above says"
+                    " what the model needs. (`check_model_form=False` skips the check: it does not make such a model"
+                    " exact, only unchecked.)"
                 ) from err
             finally:
                 whole_outputs.close()

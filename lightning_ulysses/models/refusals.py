@@ -68,8 +68,23 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str, ring_size: 
         if ring_size > 1:
             raise ValueError(f"{name} has no attention, only sequence mixers: use ring_size=1.")
         return
+    if not has_attention(model) and not calls_sdpa_anywhere(model) and not supported_implementations(model):
+        raise ValueError(
+            f"{name} mixes the sequence without attention through transformers' attention interface and without a"
+            f" sequence mixer the strategy's mixer exchange takes (its layers hold {_layer_parts(model)}: a"
+            " recurrence such as RWKV's time mixing or xLSTM's cells). Under sequence parallelism each rank would"
+            " run it over its own shard only, so it cannot train sequence-parallel, whatever attn_implementation it"
+            " is built with. Train it with sp_size=1 (e.g. `DeepSpeedStrategy`), which holds the whole sequence."
+        )
     if impl not in SUPPORTED_ATTENTION:
         usable = supported_implementations(model)
+        if device_type == "cpu" and usable and "sdpa" not in usable:
+            raise ValueError(
+                f"{name} uses attn_implementation={impl!r}, which UlyssesDeepSpeedStrategy cannot shard, and of the"
+                f" implementations it shards {name} supports only {usable}, which run on CUDA: on CPU it cannot"
+                " train under sequence parallelism (only 'sdpa' runs there). On GPUs, build it with"
+                f" `attn_implementation={usable[0]!r}`; on CPU, train it with sp_size=1."
+            )
         raise ValueError(
             f"{name} uses attn_implementation={impl!r}, which UlyssesDeepSpeedStrategy cannot shard. Under sequence"
             f" parallelism it runs {list(SUPPORTED_ATTENTION)} ('flash_attention_2/3' and 'flex_attention' on CUDA);"
@@ -114,6 +129,21 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str, ring_size: 
                 f"{name} has num_attention_heads={heads} not divisible by num_key_value_heads={kv_heads};"
                 " Ulysses attention needs whole query groups per KV head."
             )
+
+
+def calls_sdpa_anywhere(model: nn.Module) -> bool:
+    return any(calls_sdpa_directly(m) for m in model.modules())
+
+
+def _layer_parts(model: nn.Module) -> list[str]:
+    """The class names of the first layer's parts that are not norms, linears, dropouts or activations."""
+    plain = ("Norm", "Linear", "Dropout", "Embedding", "Activation", "GELU", "SiLU", "Identity")
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            parts = sorted({type(m).__name__ for m in module[0].modules() if m is not module[0]
+                            and not any(word in type(m).__name__ for word in plain)})
+            return parts or [type(module[0]).__name__]
+    return [type(model).__name__]
 
 
 def supported_implementations(model: nn.Module) -> list[str]:

@@ -152,11 +152,20 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "afmoe": {"type": "afmoe"},
     # refused before compute
     "doge": {"type": "doge", "expect": "attention_mask"},
-    "gemma2_eager": {"type": "gemma2", "attn": "eager",
-                     "expect": "supports ['flash_attention_2', 'flash_attention_3', 'flex_attention']"},
+    "gemma2_eager": {"type": "gemma2", "attn": "eager", "expect": "supports only ['flash_attention_2',"
+                                                                  " 'flash_attention_3', 'flex_attention'], which run"
+                                                                  " on CUDA"},
     # built eager: refused, naming what GPT-J supports (transformers 5.24 added sdpa and flex to its flash kernels)
     "gptj_eager": {"type": "gptj", "attn": "eager", "expect": "'flash_attention_2', 'flash_attention_3'"},
     "falcon_alibi": {"type": "falcon", "config": {"head_dim": None, "alibi": True}, "expect": "ALiBi"},
+    # recurrences (no attention through the interface, no mixer the exchange takes): named as such, whatever the
+    # implementation; GPT-Neo (eager or flash only) on CPU: named as CUDA-only
+    "rwkv": {"type": "rwkv", "config": {"attention_hidden_size": 64, "context_length": 64}, "attn": "eager",
+             "expect": "mixes the sequence without attention"},
+    "xlstm": {"type": "xlstm", "config": {"num_heads": 4}, "attn": "eager", "expect": "RWKV's time mixing or xLSTM"},
+    "gpt_neo_eager": {"type": "gpt_neo", "config": {"num_layers": 2, "num_heads": 4, "window_size": 8,
+                                                    "attention_types": [[["global", "local"], 1]]},
+                      "attn": "eager", "expect": "which run on CUDA: on CPU it cannot train"},
 }
 
 
