@@ -164,6 +164,54 @@ def _attend_documents(inner_name: str, inner: Callable, module: Any, q: torch.Te
     return out.reshape(B, S, hq, -1)
 
 
+def chunk_size_of(module: nn.Module) -> Optional[int]:
+    """The chunk of a chunked-attention layer (Llama 4's ``attention_chunk_size`` on the layers whose
+    ``layer_types`` entry is ``"chunked_attention"``), ``None`` for other layers."""
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    kinds = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if not chunk or kinds is None or index is None or index >= len(kinds) or kinds[index] != "chunked_attention":
+        return None
+    return int(chunk)
+
+
+def _attend_chunks(inner_name: str, inner: Callable, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   chunk: int, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Chunked local attention over the whole sequence: causal attention inside each chunk of ``chunk`` positions,
+    chunks starting at multiples of ``chunk`` of the whole row (as one device's chunked mask has them), none across
+    chunks. ``q/k/v [B, h, S, D] -> [B, S, hq, D]``."""
+    S = q.shape[2]
+    pieces = []
+    for start in range(0, S, chunk):
+        end = min(start + chunk, S)
+        qc, kc, vc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        if inner_name == "flex_attention":
+            out, _ = inner(module, qc, kc, vc, _flex_block_mask(end - start, q.device, None, None), **kwargs)
+        else:
+            out, _ = inner(module, qc, kc, vc, None, **kwargs)
+        pieces.append(out)  # [B, l, hq, D]
+    return torch.cat(pieces, dim=1)
+
+
+def global_query_temperature(module: nn.Module, query: torch.Tensor, shard: Optional[ShardInfo]) -> torch.Tensor:
+    """Llama 4's attention-temperature tuning on its NoPE layers scales each query by a function of its position,
+    which transformers takes from ``torch.arange`` of the call's length: on a shard, positions ``0..s-1``. The
+    scale of the whole row's positions replaces it here (``query [B, H, s, D]``, the shard's positions from the step's
+    facts): the query the layer would have on one device."""
+    if shard is None or shard.global_index is None or not getattr(module, "attn_temperature_tuning", False) or \
+            getattr(module, "use_rope", True):
+        return query
+    s = query.shape[2]
+
+    def scale(positions: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(torch.floor((positions.double() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    local = torch.arange(s, device=query.device)
+    factor = scale(shard.global_index.to(query.device)[:s]) / scale(local)  # [s]
+    return query * factor.to(query.dtype).view(1, 1, s, 1)
+
+
 def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor, None]]:
     def ulysses_attention_forward(
         module: nn.Module,
@@ -189,6 +237,10 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
             refuse_unsupported_image_blocks(type(module).__name__, inner_name, context,
                                             bool(getattr(module, "is_causal", True)))
         group = context.ulysses_group
+        query = global_query_temperature(module, query, context.shard_info)
+        chunk = chunk_size_of(module)
+        if chunk is not None:
+            _refuse_unsupported_chunks(module, context, chunk, bool(blocks))
         q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
         inner = ALL_ATTENTION_FUNCTIONS[inner_name]
         view = _LocalHeadsView(module, q.shape[1] // k.shape[1])
@@ -204,6 +256,8 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
             if shard is not None and shard.packed:  # [B, S]: the document of every global position
                 documents = document_ids(shard.cu_seqlens, q.shape[0], shard.padded_len, q.device)
             out = ring_attention(view, q, k, v, context.ring_group, window, kwargs, documents)  # [B, S/R, hq, D]
+        elif chunk is not None and chunk < q.shape[2]:
+            out = _attend_chunks(inner_name, inner, view, q, k, v, chunk, kwargs)  # [B, S, hq, D]
         elif shard is not None and shard.packed:
             if not keeps_documents_apart(inner_name, context.sdpa_per_document):
                 raise ValueError(packed_documents_error(inner_name))
@@ -282,6 +336,20 @@ def _refuse_unshardable_inputs(module: nn.Module, attention_mask: Any, kwargs: d
                 " architecture cannot train under sequence parallelism; use sp_size=1."
             )
 
+
+
+def _refuse_unsupported_chunks(module: nn.Module, context: StepContext, chunk: int, image_blocks: bool) -> None:
+    name = type(module).__name__
+    shard = context.shard_info
+    if context.ring_size > 1:
+        raise ValueError(f"{name} is a chunked-attention layer (attention_chunk_size={chunk}): supported with"
+                         " ring_size=1 (Ulysses), not with ring attention yet.")
+    if shard is not None and shard.packed and chunk < shard.padded_len:
+        raise ValueError(f"{name} is a chunked-attention layer (attention_chunk_size={chunk}) and this batch packs"
+                         " several documents per row: chunks within packed documents are not supported yet. Give"
+                         " one document per row (padded), or rows no longer than the chunk.")
+    if image_blocks:
+        raise ValueError(f"{name} is a chunked-attention layer with bidirectional image blocks: not supported.")
 
 
 def padded_anywhere(context: StepContext, shard: Any, device: torch.device) -> bool:

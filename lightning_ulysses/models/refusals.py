@@ -153,7 +153,7 @@ def supported_implementations(model: nn.Module) -> list[str]:
              "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}
     return [impl for impl, flag in flags.items() if getattr(cls, flag, False)]
 
-_ATTENTION_LAYER_KINDS = {"full_attention", "sliding_attention"}
+_ATTENTION_LAYER_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}  # (chunks: hf_attention.py)
 
 
 # Class names of sequence mixers other than attention; any of them that the mixer exchange does not take (found by

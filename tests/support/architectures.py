@@ -147,6 +147,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                                                       "num_attention_heads": 3, "num_key_value_heads": 3,
                                                       "head_dim": 16, "num_local_experts": 4,
                                                       "num_experts_per_tok": 2}},
+    # Llama 4: chunked local attention (chunks of 8 positions of the whole row) and NoPE layers whose query temperature
+    # follows the position (floor_scale 4: every 32-token row crosses it several times)
+    "llama4_text": {"type": "llama4_text", "config": {
+        "floor_scale": 4, "attn_temperature_tuning": True, "no_rope_layers": [1, 0], "attention_chunk_size": 8,
+        "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+        "intermediate_size_mlp": 128}},
     # attention output `.view`ed by the model (the Ulysses attention returns it contiguous, as transformers does)
     "jetmoe": {"type": "jetmoe", "config": {"kv_channels": 16, "num_local_experts": 4, "num_experts_per_tok": 2}},
     "afmoe": {"type": "afmoe"},
