@@ -22,7 +22,8 @@ from lightning_ulysses.models.calls import (accepts_position_ids, install_backbo
 from lightning_ulysses.models.hf_attention import ATTENTION_PREFIX, CONTEXT_ATTRIBUTE
 from lightning_ulysses.models.mixers import unwrap_sequence_mixer, wrap_sequence_mixer
 from lightning_ulysses.models.moe import has_load_balancing_loss
-from lightning_ulysses.models.refusals import calls_sdpa_directly, has_attention, sequence_mixers
+from lightning_ulysses.models.refusals import (calls_sdpa_directly, has_attention, has_attention_sinks,
+                                               sequence_mixers)
 from lightning_ulysses.models.rope import unwrap_rotaries, wrap_length_dependent_rotaries
 from lightning_ulysses.parallel.attention import ulysses_attention
 from lightning_ulysses.patches import replaced
@@ -86,7 +87,10 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
                 module.__dict__["forward"] = _with_ulysses_sdpa(module, context)
             saved.direct_sdpa_modules = direct
         elif not impl.startswith(ATTENTION_PREFIX) and has_attention(model):
-            _compat.set_attention_implementation(config, ATTENTION_PREFIX + impl)  # also sets the sub-configs
+            # (a model with attention sinks built eager runs the Ulysses function registered for sdpa, which
+            # computes the sinks itself)
+            inner = "sdpa" if impl == "eager" and has_attention_sinks(model) else impl
+            _compat.set_attention_implementation(config, ATTENTION_PREFIX + inner)  # also sets the sub-configs
             vision_language.keep_vision_attention(model, impl)  # a vision tower attends over its own patches
         saved.mixers = sequence_mixers(model)
         for mixer in saved.mixers:

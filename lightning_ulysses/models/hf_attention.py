@@ -27,7 +27,9 @@ from torch import nn
 
 from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
-from lightning_ulysses.parallel.exchange import head_to_sequence_shards, sequence_to_head_shards
+from lightning_ulysses.parallel.exchange import (head_counts, head_to_sequence_shards,
+                                                sequence_to_head_shards)
+from lightning_ulysses.parallel.sinks import sink_attention
 from lightning_ulysses.parallel.image_blocks import ImageBlocks, attend_image_blocks
 from lightning_ulysses.parallel.ring import causal_window_mask, document_ids, ring_attention
 from lightning_ulysses.training.step_context import StepContext
@@ -232,6 +234,10 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         for name in _LOCAL_POSITION_KWARGS:
             kwargs.pop(name, None)
         blocks: Optional[ImageBlocks] = kwargs.pop(IMAGE_BLOCKS_KWARG, None)
+        sinks = kwargs.pop("s_aux", None)  # per-head sink logits [Hq] (GPT-OSS): each rank takes its heads' below
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (query.shape[1],)):
+            kwargs["s_aux"] = sinks  # not one logit per query head: refused below as an unsharded tensor
+            sinks = None
         _refuse_unshardable_inputs(module, attention_mask, kwargs)
         if blocks:  # refused before the forward already (the call's completion); kept here for any other caller
             refuse_unsupported_image_blocks(type(module).__name__, inner_name, context,
@@ -242,6 +248,12 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         if chunk is not None:
             _refuse_unsupported_chunks(module, context, chunk, bool(blocks))
         q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
+        if sinks is not None:
+            _refuse_unsupported_sinks(module, context, chunk, bool(blocks))
+            local = _local_heads(sinks, query.shape[1], group)  # [hq]: the sinks of this rank's heads
+            scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
+            out = sink_attention(q, k, v, local, sliding_window_of(kwargs), scale)  # [B, S, hq, D]
+            return head_to_sequence_shards(out, group, query.shape[1]).contiguous(), None
         inner = ALL_ATTENTION_FUNCTIONS[inner_name]
         view = _LocalHeadsView(module, q.shape[1] // k.shape[1])
         # flash applies the window itself (its `sliding_window` keyword); sdpa and flex get it here.
@@ -336,6 +348,30 @@ def _refuse_unshardable_inputs(module: nn.Module, attention_mask: Any, kwargs: d
                 " architecture cannot train under sequence parallelism; use sp_size=1."
             )
 
+
+
+def _local_heads(per_head: torch.Tensor, num_heads: int, group: Any) -> torch.Tensor:
+    """The entries of ``per_head [Hq]`` for the query heads this rank holds after the exchange (the first ranks take
+    one more head when the split is uneven)."""
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    counts = head_counts(num_heads, sp)
+    start = sum(counts[:rank])
+    return per_head[start:start + counts[rank]]
+
+
+def _refuse_unsupported_sinks(module: nn.Module, context: StepContext, chunk: Optional[int],
+                              image_blocks: bool) -> None:
+    name = type(module).__name__
+    shard = context.shard_info
+    if context.ring_size > 1:
+        raise ValueError(f"{name} has attention sinks (per-head `s_aux` logits): supported with ring_size=1 (Ulysses),"
+                         " not with ring attention yet.")
+    if shard is not None and shard.packed:
+        raise ValueError(f"{name} has attention sinks and this batch packs several documents per row: not supported"
+                         " yet; give one document per row (padded).")
+    if chunk is not None or image_blocks:
+        raise ValueError(f"{name} has attention sinks together with chunked attention or image blocks: not"
+                         " supported.")
 
 
 def _refuse_unsupported_chunks(module: nn.Module, context: StepContext, chunk: int, image_blocks: bool) -> None:

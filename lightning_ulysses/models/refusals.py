@@ -76,7 +76,7 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str, ring_size: 
             " run it over its own shard only, so it cannot train sequence-parallel, whatever attn_implementation it"
             " is built with. Train it with sp_size=1 (e.g. `DeepSpeedStrategy`), which holds the whole sequence."
         )
-    if impl not in SUPPORTED_ATTENTION:
+    if impl not in SUPPORTED_ATTENTION and not (impl == "eager" and has_attention_sinks(model)):
         usable = supported_implementations(model)
         if device_type == "cpu" and usable and "sdpa" not in usable:
             raise ValueError(
@@ -129,6 +129,14 @@ def validate_model(model: nn.Module, sp_size: int, device_type: str, ring_size: 
                 f"{name} has num_attention_heads={heads} not divisible by num_key_value_heads={kv_heads};"
                 " Ulysses attention needs whole query groups per KV head."
             )
+
+
+def has_attention_sinks(model: nn.Module) -> bool:
+    """Attention through transformers' interface with per-head sink logits (GPT-OSS's ``sinks``, passed as
+    ``s_aux``): Ulysses attention computes it with its own sink kernel (:mod:`lightning_ulysses.parallel.sinks`),
+    whatever implementation the model was built with (GPT-OSS's eager one on CPU)."""
+    return any(isinstance(getattr(m, "sinks", None), nn.Parameter) and _attention_kind(m) == "interface"
+               for m in model.modules())
 
 
 def calls_sdpa_anywhere(model: nn.Module) -> bool:

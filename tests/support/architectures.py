@@ -153,6 +153,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "floor_scale": 4, "attn_temperature_tuning": True, "no_rope_layers": [1, 0], "attention_chunk_size": 8,
         "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
         "intermediate_size_mlp": 128}},
+    # GPT-OSS: per-head attention sinks (`s_aux`), sliding and full layers, MoE with its router; built eager (its
+    # only implementation on CPU), run by the strategy's sink kernel
+    "gpt_oss": {"type": "gpt_oss", "attn": "eager", "config": {
+        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "num_local_experts": 4,
+        "num_experts_per_tok": 2}},
     # attention output `.view`ed by the model (the Ulysses attention returns it contiguous, as transformers does)
     "jetmoe": {"type": "jetmoe", "config": {"kv_channels": 16, "num_local_experts": 4, "num_experts_per_tok": 2}},
     "afmoe": {"type": "afmoe"},
