@@ -166,8 +166,8 @@ _ATTENTION_LAYER_KINDS = {"full_attention", "sliding_attention", "chunked_attent
 
 # Class names of sequence mixers other than attention; any of them that the mixer exchange does not take (found by
 # structure, see lightning_ulysses.models.mixers) is refused.
-_MIXER_CLASS = re.compile(r"(mixer|deltanet|deltaattention|shortconv|linearattention|lightningattention|recurrent\w*"
-                          r"|rglru\w*|rwkv\w*|ssm)$", re.IGNORECASE)
+_MIXER_CLASS = re.compile(r"(mixer|deltanet|deltaattention|shortconv|linearattention|lightningattention"
+                          r"|recurrent(block|layer)?|rglru|rwkv\w*|ssm)$", re.IGNORECASE)  # the class name's end
 
 
 def has_attention(model: nn.Module) -> bool:
@@ -215,8 +215,9 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
             f"{name} mixes the sequence outside attention"
             + (f" (layer kinds {other_kinds})" if other_kinds and not mixers else "")
             + (f" in {unknown[:4]}{' ...' if len(unknown) > 4 else ''}" if unknown else "")
-            + " in a way the strategy does not recognise (a sequence mixer owns an `A_log` parameter, a depthwise"
-            " `nn.Conv1d` over the sequence or lightning attention's decay buffers). Under sequence parallelism"
+            + " in a way the strategy does not recognise (the mixers its exchange takes own an `A_log` parameter, a"
+            " depthwise `nn.Conv1d` over the sequence or lightning attention's decay buffers; these do not). Under"
+            " sequence parallelism"
             " those layers would see only this rank's shard of the sequence (a recurrence restarting at every"
             " shard, a convolution missing the previous shard's tokens) and train a different model without an"
             " error: train this architecture with sp_size=1."
@@ -258,6 +259,10 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
 # Architectures whose attention takes inputs the exchange cannot shard, known before any compute (the attention
 # function also refuses a mask that requires grad at the first forward, for models not listed here).
 _KNOWN_UNSHARDABLE = {
+    "recurrent_gemma": "mixes the sequence with its RG-LRU recurrence (`RecurrentGemmaRecurrentBlock`: a short"
+                       " convolution, then `RecurrentGemmaRglru`, a gated linear recurrence over the positions), which"
+                       " the mixer exchange does not take (its convolution alone would be split, the recurrence"
+                       " would restart at every shard)",
     "doge": "passes a learned per-key bias (its dynamic mask) to attention through attention_mask",
     "qwen4_exp_text": "uses indexed attention (each query attends to the keys an indexer selects from the whole"
                       " sequence, through a full 4-D mask; its n-gram embeddings also read the tokens before a shard)",

@@ -169,6 +169,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # built eager: refused, naming what GPT-J supports (transformers 5.24 added sdpa and flex to its flash kernels)
     "gptj_eager": {"type": "gptj", "attn": "eager", "expect": "'flash_attention_2', 'flash_attention_3'"},
     "falcon_alibi": {"type": "falcon", "config": {"head_dim": None, "alibi": True}, "expect": "ALiBi"},
+    "recurrent_gemma": {"type": "recurrent_gemma", "config": {
+        "num_hidden_layers": 3, "num_key_value_heads": 1, "lru_width": 64, "attention_window_size": 8,
+        "intermediate_size": 96}, "expect": "RG-LRU recurrence (`RecurrentGemmaRecurrentBlock`"},
     # recurrences (no attention through the interface, no mixer the exchange takes): named as such, whatever the
     # implementation; GPT-Neo (eager or flash only) on CPU: named as CUDA-only
     "rwkv": {"type": "rwkv", "config": {"attention_hidden_size": 64, "context_length": 64}, "attn": "eager",
