@@ -52,7 +52,7 @@ def test_architecture_trains_exactly(results, name):
         if rel > worst:
             worst, worst_name = rel, param
     print(f"[measured] {name}: loss {loss_diff:.1e}, weight update {worst:.1e} ({worst_name})")
-    assert worst <= UPDATE_TOL, (worst_name, worst)
+    assert worst <= ARCHITECTURES[name].get("update_tol", UPDATE_TOL), (worst_name, worst)
 
 
 @pytest.mark.parametrize("name", REFUSED)
@@ -81,3 +81,23 @@ def test_every_mixer_splits_its_heads(results, name):
     if name.endswith("_3_heads"):
         heads = [[v for k, v in split.items() if "head" in k] for _, _, split in (r[0] for r in ranks)]
         assert sorted(h[0] for h in heads) == [1, 2], heads  # 3 heads: rank 0 takes 2, rank 1 takes 1
+
+
+def test_gemma4_update_bound_is_the_models_own_fp32_noise():
+    """Gemma 4's wider update bound is its own rounding on one device: sdpa and eager, both plain, one process, differ
+    by more than the default bound (Llama's differ by 3e-5), and by less than the Gemma 4 bound."""
+    import copy
+
+    from tests.support import architectures
+
+    sdpa = train_plain("gemma4_text", STEPS, LR)
+    saved = copy.deepcopy(architectures.ARCHITECTURES["gemma4_text"])
+    try:
+        architectures.ARCHITECTURES["gemma4_text"]["attn"] = "eager"
+        eager = train_plain("gemma4_text", STEPS, LR)
+    finally:
+        architectures.ARCHITECTURES["gemma4_text"] = saved
+    noise = max(float((eager["final"][p] - sdpa["final"][p]).norm() / (sdpa["final"][p] - initial).norm())
+                for p, initial in sdpa["initial"].items() if float((sdpa["final"][p] - initial).norm()) > 1e-6)
+    print(f"[measured] gemma4_text, one device, sdpa vs eager: update difference {noise:.1e}")
+    assert UPDATE_TOL < noise < ARCHITECTURES["gemma4_text"]["update_tol"]

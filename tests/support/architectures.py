@@ -158,6 +158,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "gpt_oss": {"type": "gpt_oss", "attn": "eager", "config": {
         "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "num_local_experts": 4,
         "num_experts_per_tok": 2}},
+    # Gemma 4's structure (head_dim 16): per-layer inputs, sliding and full layers, the last two layers sharing the KV
+    # of earlier ones. Its fp32 rounding is amplified ~10x (query scaling 1.0): on ONE device sdpa and eager differ
+    # by 3.5e-4 in the 3-step update (Llama: 3.3e-5), so its update bound is 2e-3 (measured under SP: 5.4e-4).
+    "gemma4_text": {"type": "gemma4_text", "update_tol": 2e-3, "config": {
+        "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 8,
+        "global_head_dim": 16, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128,
+        "num_kv_shared_layers": 2}},
     # attention output `.view`ed by the model (the Ulysses attention returns it contiguous, as transformers does)
     "jetmoe": {"type": "jetmoe", "config": {"kv_channels": 16, "num_local_experts": 4, "num_experts_per_tok": 2}},
     "afmoe": {"type": "afmoe"},
