@@ -27,6 +27,23 @@ def test_the_matrix_is_wide():
     assert len(ARCHITECTURES) >= 25 and len(EXACT) >= 25
 
 
+# The newest families again at ZeRO 3 with every parameter partitioned (stage3_param_persistence_threshold=0).
+# (JetMoE and DBRX read parameters of another module: the model-form check's probe runs outside the engine's forward,
+# where ZeRO-3 does not gather those, and stops them at ZeRO 3; exact at ZeRO 2.)
+ZERO3 = ["llama4_text", "gpt_oss", "afmoe", "gemma4_text"]
+
+
+@pytest.fixture(scope="module")
+def results_zero3():
+    by_rank = launch(2, "architectures:run", {"names": ZERO3, "steps": STEPS, "lr": LR, "stage": 3}, timeout=900)
+    return {name: [r[name] for r in by_rank] for name in ZERO3}
+
+
+@pytest.mark.parametrize("name", ZERO3)
+def test_newest_families_train_exactly_at_zero3_partitioned(results_zero3, name):
+    test_architecture_trains_exactly(results_zero3, name)
+
+
 @pytest.mark.parametrize("name", EXACT)
 def test_architecture_trains_exactly(results, name):
     ranks = results[name]

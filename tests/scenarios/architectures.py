@@ -41,19 +41,28 @@ class ArchitectureLM(LightningModule):
         return DataLoader(rows, batch_size=1)  # in order; every rank of the SP group reads the same rows
 
 
-def _fit(name: str, steps: int, lr: float) -> dict[str, Any]:
+def _fit(name: str, steps: int, lr: float, stage: int = 2) -> dict[str, Any]:
+    """``stage`` 3: every parameter partitioned (``stage3_param_persistence_threshold=0``)."""
     result: dict[str, Any] = {"error": None}
     try:
         module = ArchitectureLM(name, lr, steps)
         result["mixer_families"] = _mixer_families(module.model)
-        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=2, stage=2), steps, use_distributed_sampler=False)
+        strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=stage)
+        if stage == 3:
+            strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        trainer = make_trainer(strategy, steps, use_distributed_sampler=False)
         trainer.fit(module)
     except Exception as err:  # noqa: BLE001 - the test asserts on the message
         result["error"] = f"{type(err).__name__}: {err}"
         return result
     result["losses"] = module.losses
+    import deepspeed
+
+    params = dict(module.model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=stage == 3):
+        final = {k: v.detach().float().clone() for k, v in params.items()}
     if torch.distributed.get_rank() == 0:
-        result["final"] = {k: v.detach().float().clone() for k, v in module.model.named_parameters()}
+        result["final"] = final
     return result
 
 
@@ -78,7 +87,8 @@ def run(payload: dict) -> dict:
     results = {}
     for name in payload["names"]:
         os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)  # Lightning's teardown removes it after every fit
-        results[name] = _fit(name, payload["steps"], ARCHITECTURES[name].get("lr", payload["lr"]))
+        results[name] = _fit(name, payload["steps"], ARCHITECTURES[name].get("lr", payload["lr"]),
+                             payload.get("stage", 2))
     return results
 
 

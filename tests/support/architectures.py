@@ -165,6 +165,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 8,
         "global_head_dim": 16, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128,
         "num_kv_shared_layers": 2}},
+    # DBRX: fused experts that read another module's parameters (ZeRO-3 gathers them only inside a forward pass)
+    "dbrx": {"type": "dbrx", "config": {
+        "d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 256,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}}},
     # attention output `.view`ed by the model (the Ulysses attention returns it contiguous, as transformers does)
     "jetmoe": {"type": "jetmoe", "config": {"kv_channels": 16, "num_local_experts": 4, "num_experts_per_tok": 2}},
     "afmoe": {"type": "afmoe"},
