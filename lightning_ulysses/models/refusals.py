@@ -199,6 +199,10 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
       i.e. one that is not ``load_balancing_loss_func`` of the model's modeling module.
     """
     name = f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r})"
+    known = _KNOWN_UNSHARDABLE.get(getattr(model.config, "model_type", None))
+    if known:  # named by what the model has, before any generic rule
+        raise ValueError(f"{name} {known}: UlyssesDeepSpeedStrategy's attention cannot shard that, so it cannot"
+                         " train under sequence parallelism; use sp_size=1.")
     kinds: set[str] = set()
     for config in _configs(model):
         for key in ("layer_types", "layers_block_type"):
@@ -263,6 +267,9 @@ _KNOWN_UNSHARDABLE = {
                        " convolution, then `RecurrentGemmaRglru`, a gated linear recurrence over the positions), which"
                        " the mixer exchange does not take (its convolution alone would be split, the recurrence"
                        " would restart at every shard)",
+    "deepseek_v32": "uses DeepSeek sparse attention: an indexer (`DeepseekV32Indexer`) picks each query's"
+                    " `index_topk` keys from the whole sequence and the attention masks the others through a full 4-D"
+                    " mask (dense only when index_topk covers the sequence; not supported yet even then)",
     "doge": "passes a learned per-key bias (its dynamic mask) to attention through attention_mask",
     "qwen4_exp_text": "uses indexed attention (each query attends to the keys an indexer selects from the whole"
                       " sequence, through a full 4-D mask; its n-gram embeddings also read the tokens before a shard)",
