@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=256, help="longest sequence (prompt + completion)")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps")
     p.add_argument("--lr", type=float, default=None,
-                   help="SGD learning rate (default 0.05 for DPO, 0.002 for IPO, whose squared loss takes larger steps)")
+                   help="SGD learning rate (default 0.05 for DPO, 0.002 for IPO: its squared loss takes larger steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = p.parse_args(argv)

@@ -15,8 +15,8 @@ class GatherSequence(torch.autograd.Function):
     each rank's positions, appended to ``record`` (if given)."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, group: dist.ProcessGroup, global_index: torch.Tensor,  # type: ignore[override]
-                seq_len: int, record: Optional[list]) -> torch.Tensor:
+    def forward(ctx, shard: torch.Tensor, group: dist.ProcessGroup,  # type: ignore[override]
+                global_index: torch.Tensor, seq_len: int, record: Optional[list]) -> torch.Tensor:
         sp = dist.get_world_size(group)
         ctx.group, ctx.global_index, ctx.seq_len, ctx.record, ctx.sp = group, global_index, seq_len, record, sp
         shard = shard.detach().contiguous()

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 BETA = 0.5
-LEARNING_RATES = {"ipo": 0.01, "classifier_own_loss": 0.01}  # SGD step sizes (default 0.2): squared losses diverge at 0.2
+# SGD step sizes per objective (default 0.2): the squared losses diverge at 0.2
+LEARNING_RATES = {"ipo": 0.01, "classifier_own_loss": 0.01}
 
 
 class OneDevice:
