@@ -263,11 +263,7 @@ class StepRunner:
         """``[B, s]`` bool: the step's target tokens, or without labels its real tokens."""
         if self.shift_labels is not None:
             return self.shift_labels != -100
-        real = torch.ones(shard.shard_shape, dtype=torch.bool)  # type: ignore[arg-type]
-        if shard.attention_mask is not None:
-            real &= shard.attention_mask.bool()
-        real &= shard.global_index[None, :] < shard.seq_len  # not the padding to the SP multiple
-        return real
+        return reductions.real_positions(shard, shard.global_index.device)
 
     # per-sequence reductions (sequence_reductions.py): over the SP group, the same [B, ...] on every SP rank
     def _sequence_mask(self, values: torch.Tensor, mask: Optional[torch.Tensor], what: str,

@@ -21,15 +21,8 @@ BETA = 0.5
 LEARNING_RATES = {"ipo": 0.01, "classifier_own_loss": 0.01}
 
 
-class OneDevice:
-    """Whole rows on one device: per-token values at positions ``0..S-2`` against ``labels[:, 1:]``."""
-
-    def logits_and_targets(self, model, batch):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-        return logits, batch["labels"][:, 1:]
-
-    def aligned(self, batch, key):
-        return batch[key][:, :-1]
+class _ModelCalls:
+    """The model calls both ways share (the shard, or the whole rows)."""
 
     def hidden(self, model, batch):
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -38,6 +31,17 @@ class OneDevice:
     def backbone_hidden(self, model, batch):
         """The backbone called directly (``model.model``), as for an extra head."""
         return model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+
+
+class OneDevice(_ModelCalls):
+    """Whole rows on one device: per-token values at positions ``0..S-2`` against ``labels[:, 1:]``."""
+
+    def logits_and_targets(self, model, batch):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        return logits, batch["labels"][:, 1:]
+
+    def aligned(self, batch, key):
+        return batch[key][:, :-1]
 
     def sequence_sum(self, values, mask):
         return (values * mask).sum(1)
@@ -62,7 +66,7 @@ class OneDevice:
     whole_rows_public = whole_rows
 
 
-class SequenceParallel:
+class SequenceParallel(_ModelCalls):
     """This rank's shard, reduced with the strategy's API (``strategy``: the Trainer's or Fabric's)."""
 
     def __init__(self, strategy) -> None:
@@ -74,14 +78,6 @@ class SequenceParallel:
 
     def aligned(self, batch, key):
         return batch[key]
-
-    def hidden(self, model, batch):
-        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                     output_hidden_states=True).hidden_states[-1]
-
-    def backbone_hidden(self, model, batch):
-        """The backbone called directly (``model.model``), as for an extra head."""
-        return model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
 
     def sequence_sum(self, values, mask):
         return self.strategy.sequence_sum(values, mask)
