@@ -22,7 +22,7 @@ class VisionSpy(Callback):
         self._undo = []
 
     def setup(self, trainer, pl_module, stage) -> None:
-        inner = pl_module.model.model
+        inner = getattr(pl_module.model, "model", pl_module.model)  # Llama 4 holds its towers itself
         visual = next(getattr(inner, name) for name in ("visual", "vision_tower", "vision_model")
                       if hasattr(inner, name))
         self._undo.append(visual.register_forward_pre_hook(self._encoded, with_kwargs=True))
@@ -76,7 +76,10 @@ def run(payload: dict) -> dict:
         seed_everything(SEED, verbose=False)
         module = VisionLanguageLM(family, select=select, support=payload.get("support"))
         recorder, spy = Recorder(), VisionSpy()
-        trainer = make_trainer(UlyssesDeepSpeedStrategy(sp_size=sp_size, stage=stage, **payload.get("strategy", {})),
+        strategy = UlyssesDeepSpeedStrategy(sp_size=sp_size, stage=stage, **payload.get("strategy", {}))
+        if stage == 3 and payload.get("partitioned"):  # every parameter partitioned, tiny ones too
+            strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        trainer = make_trainer(strategy,
                                max_steps=len(select) // replicas if chosen else payload.get("steps", 4),
                                callbacks=[recorder, spy])
         trainer.fit(module)

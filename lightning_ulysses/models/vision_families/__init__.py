@@ -11,6 +11,7 @@ from typing import Optional
 from lightning_ulysses.models.vision_families.base import IMAGE, VIDEO, Encoded, Modality, Units, VisionFamily
 from lightning_ulysses.models.vision_families.gemma3 import Gemma3Family
 from lightning_ulysses.models.vision_families.internvl import InternVLFamily
+from lightning_ulysses.models.vision_families.llama4 import Llama4Family
 from lightning_ulysses.models.vision_families.llava import LlavaFamily
 from lightning_ulysses.models.vision_families.llava_next import LlavaNextFamily, LlavaOnevisionFamily
 from lightning_ulysses.models.vision_families.mistral3 import Mistral3Family
@@ -20,6 +21,7 @@ from lightning_ulysses.models.vision_families.qwen3 import Qwen3VLFamily, Qwen35
 FAMILIES: list[VisionFamily] = [
     QwenGridFamily(), Qwen25VLFamily(), Qwen3VLFamily(), Qwen35Family(), Gemma3Family(), LlavaFamily(),
     LlavaNextFamily(), LlavaOnevisionFamily(), InternVLFamily(), Mistral3Family(),
+    Llama4Family(),
 ]
 SUPPORTED_FAMILIES: dict[str, VisionFamily] = {name: family for family in FAMILIES for name in family.model_types}
 
