@@ -79,10 +79,16 @@ def sequence_parallel_cross_entropy(
     return normalize_loss_sum(local_sum, shift_labels, group, grad_scale, ignore_index, window_tokens)
 
 
+def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` upcast to fp32 for the loss, as transformers' losses do; a float64 tensor stays float64."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
+
+
 def cross_entropy_sum(logits: torch.Tensor, shift_labels: torch.Tensor,
                       ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """fp32 sum of the token cross-entropies of ``[B, s, V]`` logits against ``[B, s]`` targets (0 if none)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1).to(logits.device),
+    """fp32 (fp64 for a float64 model) sum of the token cross-entropies of ``[B, s, V]`` logits against ``[B, s]``
+    targets (0 if none)."""
+    return F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), shift_labels.reshape(-1).to(logits.device),
                            ignore_index=ignore_index, reduction="sum")
 
 
@@ -126,8 +132,9 @@ def normalize_weighted_sum(
                           window.detach().double()])  # [sum, weight, window weight]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
-    value = (totals[0] / _nonzero(totals[1])).float()
-    share = local_sum * (grad_scale / _nonzero(totals[2]).float())
+    dtype = at_least_fp32(local_sum).dtype  # fp32, or fp64 for a float64 model
+    value = (totals[0] / _nonzero(totals[1])).to(dtype)
+    share = local_sum * (grad_scale / _nonzero(totals[2]).to(dtype))
     # Not `share + (value - share).detach()`: that rounds in fp32 (differently per rank when share > value).
     return ValueWithGradientOf.apply(value, share, record)
 
@@ -192,9 +199,10 @@ def step_loss_from_sum(context: Optional[StepContext], local_sum: torch.Tensor, 
 
 def token_cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor,
                         ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """``[B, s]`` fp32 token cross-entropies of ``[B, s, V]`` logits (0 where there is no target)."""
+    """``[B, s]`` fp32 (fp64 for a float64 model) token cross-entropies of ``[B, s, V]`` logits (0 where there is no
+    target)."""
     labels = shift_labels.to(logits.device)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+    return F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=ignore_index, reduction="none").view(labels.shape)
 
 

@@ -21,9 +21,9 @@ from tests.support.training import LAUNCH_WORLD_SIZE, make_trainer
 
 
 class ArchitectureLM(LightningModule):
-    def __init__(self, name: str, lr: float, steps: int) -> None:
+    def __init__(self, name: str, lr: float, steps: int, dtype: str = "float32") -> None:
         super().__init__()
-        self.model = build_model(name)
+        self.model = build_model(name, dtype=dtype)
         self.lr, self.steps = lr, steps
         self.losses: list[float] = []
         self.forward_kwargs = ARCHITECTURES[name].get("forward", {})
@@ -41,11 +41,15 @@ class ArchitectureLM(LightningModule):
         return DataLoader(rows, batch_size=1)  # in order; every rank of the SP group reads the same rows
 
 
-def _fit(name: str, steps: int, lr: float, stage: int = 2) -> dict[str, Any]:
+def _fit(name: str, steps: int, lr: float, stage: int = 2, dtype: str = "float32") -> dict[str, Any]:
     """``stage`` 3: every parameter partitioned (``stage3_param_persistence_threshold=0``)."""
     result: dict[str, Any] = {"error": None}
     try:
-        module = ArchitectureLM(name, lr, steps)
+        if dtype == "float64":  # Lightning's DeepSpeed precision ("32-true") would cast the model to fp32
+            from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
+
+            DeepSpeedPrecision.convert_module = lambda self, model: model
+        module = ArchitectureLM(name, lr, steps, dtype)
         result["mixer_families"] = _mixer_families(module.model)
         strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=stage)
         if stage == 3:
@@ -60,7 +64,8 @@ def _fit(name: str, steps: int, lr: float, stage: int = 2) -> dict[str, Any]:
 
     params = dict(module.model.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values()), enabled=stage == 3):
-        final = {k: v.detach().float().clone() for k, v in params.items()}
+        final = {k: v.detach().to(torch.float64 if dtype == "float64" else torch.float32).clone()
+                 for k, v in params.items()}
     if torch.distributed.get_rank() == 0:
         result["final"] = final
     return result
@@ -88,7 +93,7 @@ def run(payload: dict) -> dict:
     for name in payload["names"]:
         os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)  # Lightning's teardown removes it after every fit
         results[name] = _fit(name, payload["steps"], ARCHITECTURES[name].get("lr", payload["lr"]),
-                             payload.get("stage", 2))
+                             payload.get("stage", 2), payload.get("dtype", "float32"))
     return results
 
 

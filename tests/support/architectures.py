@@ -213,13 +213,39 @@ def build_config(name: str):
     return config
 
 
-def build_model(name: str, seed: int = 0):
+def build_model(name: str, seed: int = 0, dtype: str = "float32"):
+    """``dtype`` ``"float64"``: the model in double precision (to tell an SP error from the model's own rounding)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     attn = ARCHITECTURES[name].get("attn", "sdpa")  # None: pure state-space models take no attention implementation
     kwargs = {} if attn is None else {"attn_implementation": attn}
-    return AutoModelForCausalLM.from_config(build_config(name), **kwargs)
+    if dtype == "float64":
+        _keep_double_precision()
+    return AutoModelForCausalLM.from_config(build_config(name), **kwargs).to(getattr(torch, dtype))
+
+
+def _keep_double_precision() -> None:
+    """transformers' causal-LM loss casts the logits to fp32 (``logits.float()``; the strategy's loss keeps float64
+    float64): for a float64 model the reference's loss stays float64 too, so that neither run has an fp32 step."""
+    from transformers.loss import loss_utils
+
+    original = loss_utils.ForCausalLMLoss
+    if getattr(original, "keeps_double", False):
+        return
+
+    def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                       **kwargs):
+        if logits.dtype != torch.float64:
+            return original(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+        if shift_labels is None:
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        return loss_utils.fixed_cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1),
+                                              num_items_in_batch, ignore_index, **kwargs)
+
+    causal_lm_loss.keeps_double = True
+    loss_utils.ForCausalLMLoss = causal_lm_loss
+    loss_utils.LOSS_MAPPING["ForCausalLM"] = causal_lm_loss
 
 
 def batches(steps: int, seed: int = 5) -> list[dict[str, torch.Tensor]]:
@@ -228,16 +254,27 @@ def batches(steps: int, seed: int = 5) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": r, "labels": r.clone()} for r in rows]
 
 
-def train_plain(name: str, steps: int, lr: float) -> dict[str, Any]:
-    """The reference: one process, plain transformers, SGD on the same batches."""
-    model = build_model(name)
+def train_plain(name: str, steps: int, lr: float, dtype: str = "float32") -> dict[str, Any]:
+    """The reference: one process, plain transformers, SGD on the same batches. ``dtype`` ``"float64"``: the model in
+    float64 with fp32 master weights stepped by SGD, as DeepSpeed's ZeRO optimizer keeps them (its fp32 partition of
+    every parameter, updated with the fp32 gradient, copied back to the float64 model): the two runs then differ only
+    in the forward and backward passes, computed in float64."""
+    model = build_model(name, dtype=dtype)
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    masters = {k: v.detach().float().clone() for k, v in model.named_parameters()} if dtype == "float64" else None
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for batch in batches(steps):
         loss = model(**batch, **ARCHITECTURES[name].get("forward", {})).loss
         loss.backward()
-        optimizer.step()
+        if masters is None:
+            optimizer.step()
+        else:
+            with torch.no_grad():
+                for key, param in model.named_parameters():
+                    if param.grad is not None:
+                        masters[key].add_(param.grad.float(), alpha=-lr)
+                    param.copy_(masters[key])
         optimizer.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "initial": initial,
