@@ -224,6 +224,66 @@ def clear_zero3_gradient_partitions(zero3_optimizer: Any) -> None:
         buffer.zero_()
 
 
+@contextmanager
+def zero3_forward_discovery(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """Run ``modules`` outside ``DeepSpeedEngine.forward`` (the model-form check's probe) as the engine's forward runs
+    them under ZeRO-3: a parameter that one module reads from another (DBRX's and JetMoE's experts read their
+    parent's) is gathered when it is read, as the engine's forward prologue arranges (``_parameters._in_forward``).
+    A no-op without partitioned parameters."""
+    every = [m for root in modules for m in root.modules()]
+    if not any(is_zero3_param(p) for m in every for p in m.parameters(recurse=False)):
+        yield
+        return
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
+
+    for module in every:
+        ensure_zero_ordered_dict(module)
+        if isinstance(module._parameters, ZeROOrderedDict):
+            module._parameters._in_forward = True
+    try:
+        yield
+    finally:
+        for module in every:
+            if isinstance(module._parameters, ZeROOrderedDict):
+                module._parameters._in_forward = False
+
+
+def make_zero3_leaf_modules(modules: list[torch.nn.Module]) -> Callable[[], None]:
+    """Mark ``modules`` as ZeRO-3 leaf modules (``deepspeed.utils.set_z3_leaf_modules``'s flag, per instance): each
+    gathers all its parameters around its call, with no hooks inside. Returns the undo."""
+    from deepspeed.utils.z3_leaf_module import set_z3_leaf_module, z3_leaf_module
+
+    marked = [m for m in modules if not z3_leaf_module(m)]
+    for module in marked:
+        set_z3_leaf_module(module, True)
+    return lambda: [set_z3_leaf_module(m, False) for m in marked] and None
+
+
+def restart_zero3_trace(engine: Any) -> None:
+    """Forget the module trace ZeRO-3's parameter coordinator recorded while the model ran outside the engine's
+    forward (the model-form check's probe). The coordinator records the order of module calls to prefetch by it and,
+    at the next forward, checks that every rank recorded the same order: a probe of a few tokens per rank can route
+    them to different experts per rank (DBRX calls an expert module once per expert hit), and that check, or a
+    prefetch by a trace the step does not follow, would stop or hang the first step. Invalidated, the trace is
+    recorded afresh by the first real step, as it is without the probe. The parameters the probe left gathered
+    (those read from another module are gathered on the read and may stay so, differently per rank) are
+    partitioned again. A no-op without ZeRO-3."""
+    optimizer = getattr(engine, "optimizer", None)
+    offload = getattr(optimizer, "parameter_offload", optimizer)  # the inference engine's ZeRO-3 is the offload itself
+    coordinator_of = getattr(offload, "get_param_coordinator", None)
+    if coordinator_of is None:
+        return
+    coordinator = coordinator_of()
+    if not coordinator.is_invalid_trace():
+        coordinator._invalidate_trace()  # also waits for and releases the gathers in flight
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for param in engine.module.parameters():  # every rank starts the step with the same parameters gathered: none
+        if is_zero3_param(param) and param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist:
+            param.ds_active_sub_modules.clear()
+            param.partition()
+
+
 def has_restore_from_bit16(optimizer: Any) -> bool:
     return hasattr(optimizer, "_restore_from_bit16_weights")
 

@@ -14,6 +14,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 
+from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.drift.guard import DriftReport, enforce_tested_versions
 from lightning_ulysses.models import building, memory
@@ -136,6 +137,7 @@ class SequenceParallelFrontEnd:
             self._runner = StepRunner(layout, context, self._models, agreement, self.root_device,
                                       agree_on_tile_counts=False, gather_predictions=gather_predictions,
                                       check_model_form=self.check_model_form)
+            self._runner.after_form_check = lambda: _compat.restart_zero3_trace(self.model)  # the engine by then
 
     @property
     def sp_size(self) -> int:

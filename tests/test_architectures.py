@@ -28,9 +28,10 @@ def test_the_matrix_is_wide():
 
 
 # The newest families again at ZeRO 3 with every parameter partitioned (stage3_param_persistence_threshold=0).
-# (JetMoE and DBRX read parameters of another module: the model-form check's probe runs outside the engine's forward,
-# where ZeRO-3 does not gather those, and stops them at ZeRO 3; exact at ZeRO 2.)
-ZERO3 = ["llama4_text", "gpt_oss", "afmoe", "gemma4_text"]
+# JetMoE and DBRX read parameters of another module: the model-form check's probe gathers them as the engine's
+# forward does; DBRX's experts call their `mlp` once per expert hit and run as a ZeRO-3 leaf module
+# (lightning_ulysses/models/cross_module_reads.py), or the ranks' all-gathers would differ and hang.
+ZERO3 = ["llama4_text", "gpt_oss", "afmoe", "gemma4_text", "jetmoe", "dbrx"]
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +146,27 @@ def test_gemma4_sp_adds_no_error_in_float64(results_float64):
         print(f"[measured] {name} float64, SP=2 vs one device: loss {loss_diff:.1e}, update {update_diff:.1e}")
         assert loss_diff <= 1e-13
         assert update_diff <= 2e-5
+
+
+def test_modules_calling_a_submodule_per_loop_step_are_found():
+    """DBRX's experts (they read ``self.mlp.w1`` and call ``self.mlp`` per expert hit) are found; a Llama, whose
+    model reads nothing of a submodule it calls in a loop, has none; a toy with the pattern is found."""
+    from lightning_ulysses.models.cross_module_reads import loop_callers_reading_parameters
+    from tests.support.architectures import build_model
+
+    found = loop_callers_reading_parameters(build_model("dbrx"))
+    assert [type(m).__name__ for m, _ in found] == ["DbrxExperts", "DbrxExperts"]
+    assert found[0][1] == "mlp.v1, mlp.w1, mlp.w2"
+    assert loop_callers_reading_parameters(build_model("llama")) == []
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(2, 2)
+
+        def forward(self, x, hits):
+            for _ in hits:
+                x = self.inner(x) * self.inner.weight.sum()
+            return x
+
+    assert [name for _, name in loop_callers_reading_parameters(Toy())] == ["inner.weight"]

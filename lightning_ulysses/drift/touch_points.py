@@ -270,6 +270,44 @@ def _zero3_parameter_attributes() -> None:
         expect("ds_grad_is_ready" in inspect.getsource(module), f"{module.__name__} no longer reads ds_grad_is_ready")
 
 
+@touch_point("deepspeed: ZeRO-3 external-parameter discovery in a forward (ZeROOrderedDict._in_forward)", "deepspeed")
+def _zero3_forward_discovery() -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
+
+    module = torch.nn.Linear(1, 1)
+    ensure_zero_ordered_dict(module)
+    expect(isinstance(module._parameters, ZeROOrderedDict) and module._parameters._in_forward is False,
+           "ensure_zero_ordered_dict no longer gives a ZeROOrderedDict with _in_forward")
+    expect("is_eager_forward = self._parent_module._parameters._in_forward" in inspect.getsource(ZeROOrderedDict),
+           "ZeROOrderedDict no longer discovers external parameters by _in_forward")
+    expect("module._parameters._in_forward = True" in inspect.getsource(DeepSpeedEngine._forward_prologue),
+           "the engine's forward prologue no longer sets _in_forward")
+
+
+@touch_point("deepspeed: ZeRO-3's trace invalidation and parameter release after the probe", "deepspeed")
+def _zero3_trace_restart() -> None:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    for name in ("_invalidate_trace", "is_invalid_trace"):
+        expect(_parameters(getattr(PartitionedParameterCoordinator, name)) == ["self"], f"coordinator.{name} changed")
+    expect("_clear_trace_structures()" in inspect.getsource(PartitionedParameterCoordinator._invalidate_trace),
+           "coordinator._invalidate_trace no longer clears the recorded trace")
+    expect("AVAILABLE" in ZeroParamStatus.__members__, "ZeroParamStatus changed")
+
+
+@touch_point("deepspeed: ZeRO-3 leaf modules (set_z3_leaf_module)", "deepspeed")
+def _zero3_leaf_modules() -> None:
+    from deepspeed.utils.z3_leaf_module import set_z3_leaf_module, z3_leaf_module
+
+    module = torch.nn.Linear(1, 1)
+    set_z3_leaf_module(module, True)
+    expect(z3_leaf_module(module), "set_z3_leaf_module no longer marks a leaf")
+    set_z3_leaf_module(module, False)
+    expect(not z3_leaf_module(module), "set_z3_leaf_module no longer unmarks a leaf")
+
+
 # ================================================================================================ torch
 TORCH_OP_SCHEMAS = {
     "_scaled_dot_product_flash_attention_for_cpu":

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.parallel.geometry import SequenceGeometry
 from lightning_ulysses.training.step_context import StepContext
@@ -298,7 +299,8 @@ def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.
     local_ids = probe.ids[:, probe.index]  # [1, n]: this rank's probe shard
     saved = (context.shard_info, context.tile_shard_len, context.in_step, context.step_batch_tensors,
              context.router_token_mask)
-    with quiet_and_repeatable([t[0] for t in targets], device) as snapshot:
+    with quiet_and_repeatable([t[0] for t in targets], device) as snapshot, \
+            _compat.zero3_forward_discovery([t[0] for t in targets]):
         for model, whole_call, sharded_call in targets:
             name = type(model).__name__
             whole_outputs = ModuleOutputs(model) if locate else _NoRecording()

@@ -14,9 +14,11 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.nn import Module
 
+from lightning_ulysses import _compat
 from lightning_ulysses.models import (
     building,
     calls,
+    cross_module_reads,
     form_check,
     generation,
     hf,
@@ -85,6 +87,11 @@ class PreparedModels:
                           lambda m=model: generation.install_plain_generate(m, context, context.zero_stage_3),
                           lambda m=model: generation.remove_plain_generate(m))
         patches.enter("transformers: MoE load-balancing loss", moe.exact_load_balancing_loss(models, context))
+        if context.zero_stage_3:  # modules calling a submodule per data-dependent loop step: ZeRO-3 leaves
+            leaves = [module for module, _ in cross_module_reads.loop_callers_reading_parameters(lightning_module)]
+            if leaves:
+                undo = _compat.make_zero3_leaf_modules(leaves)
+                patches.apply("ZeRO-3: leaf modules", lambda: None, undo)
         if fitting:
             modes = building.train_mode_for_fit(models)
             patches.apply("train mode for fit", lambda: None, lambda: building.restore_modes(modes))

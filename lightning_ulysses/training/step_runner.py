@@ -80,6 +80,8 @@ class StepRunner:
         self.shift_labels: Optional[torch.Tensor] = None  # the running step's batch["shift_labels"]
         self.form_check_pending = False
         self.form_checks_run = 0
+        # called after each model-form check: the front end forgets the module trace ZeRO-3 recorded in the probe
+        self.after_form_check: Callable[[], None] = lambda: None
         self.backward_calls = 0  # backward passes through the strategy since the last optimizer step
 
     def begin_stage(self) -> None:
@@ -131,6 +133,7 @@ class StepRunner:
             self.form_check_pending = False
             if self.models.check_form(batch, context, self.layout, self.device):
                 self.form_checks_run += 1
+                self.after_form_check()
 
     def _begin(self, kind: str, shard: ShardInfo) -> None:
         """Check the facts of this step's batch (before any compute): the prepared models' hooks are in place, the SP

@@ -7,7 +7,7 @@ with an error. Rank 0 reports losses and final weights; every rank reports its e
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningModule
@@ -41,7 +41,8 @@ class ArchitectureLM(LightningModule):
         return DataLoader(rows, batch_size=1)  # in order; every rank of the SP group reads the same rows
 
 
-def _fit(name: str, steps: int, lr: float, stage: int = 2, dtype: str = "float32") -> dict[str, Any]:
+def _fit(name: str, steps: int, lr: float, stage: int = 2, dtype: str = "float32",
+         strategy_options: Optional[dict] = None) -> dict[str, Any]:
     """``stage`` 3: every parameter partitioned (``stage3_param_persistence_threshold=0``)."""
     result: dict[str, Any] = {"error": None}
     try:
@@ -51,7 +52,7 @@ def _fit(name: str, steps: int, lr: float, stage: int = 2, dtype: str = "float32
             DeepSpeedPrecision.convert_module = lambda self, model: model
         module = ArchitectureLM(name, lr, steps, dtype)
         result["mixer_families"] = _mixer_families(module.model)
-        strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=stage)
+        strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=stage, **(strategy_options or {}))
         if stage == 3:
             strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         trainer = make_trainer(strategy, steps, use_distributed_sampler=False)
@@ -93,7 +94,8 @@ def run(payload: dict) -> dict:
     for name in payload["names"]:
         os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)  # Lightning's teardown removes it after every fit
         results[name] = _fit(name, payload["steps"], ARCHITECTURES[name].get("lr", payload["lr"]),
-                             payload.get("stage", 2), payload.get("dtype", "float32"))
+                             payload.get("stage", 2), payload.get("dtype", "float32"),
+                             payload.get("strategy"))
     return results
 
 
