@@ -48,6 +48,7 @@ STACK="${ULYSSES_STACK:-locked}"
 LOCKED_TORCH="$(sed -n 's/^torch==//p' "$LOCK")"
 TORCH_VERSION="${TORCH_VERSION:-$LOCKED_TORCH}"
 LITGPT_VERSION="$(sed -n 's/^litgpt==//p' "$LOCK")"
+LITDATA_MINIMUM="0.2.76"  # the oldest litdata tests/test_litdata.py passed on
 VENV_DIR="${VENV_DIR:-$ROOT/.venv}"
 STAMP="$VENV_DIR/.setup-stamp"
 export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -82,6 +83,28 @@ else
          "admits ..." >&2
     "$VPY" -m pip install -qq --upgrade --upgrade-strategy eager -c <(echo "torch==$TORCH_VERSION") \
         -e "$ROOT[test,bench,cli]"
+    # litdata (tests/test_litdata.py): the newest release, without torchvision, which it declares but imports only for
+    # images. PyPI's torchvision is built for the CUDA torch; next to a CPU torch it breaks `import lightning`
+    # (torchmetrics imports it when present). Its other requirements first (the locked stack pins them), then itself.
+    echo "[setup_env] installing litdata>=$LITDATA_MINIMUM (test dependency) without torchvision ..." >&2
+    report="$(mktemp)"
+    "$VPY" -m pip install -qq --dry-run --no-deps --ignore-installed --report "$report" "litdata>=$LITDATA_MINIMUM"
+    mapfile -t litdata < <("$VPY" - "$report" <<'PY'
+import json
+import sys
+from packaging.requirements import Requirement
+metadata = json.load(open(sys.argv[1]))["install"][0]["metadata"]
+print("litdata==" + metadata["version"])
+for line in metadata.get("requires_dist", []):
+    requirement = Requirement(line)
+    wanted = requirement.marker is None or requirement.marker.evaluate()  # not an extra's requirement
+    if wanted and requirement.name not in ("torch", "torchvision"):
+        print(line)
+PY
+)
+    rm -f "$report"
+    "$VPY" -m pip install -qq -c <(echo "torch==$TORCH_VERSION") "${litdata[@]:1}"
+    "$VPY" -m pip install -qq --no-deps "${litdata[0]}"
 fi
 # LitGPT is a test dependency (tests/test_model_forms.py trains its GPT under SP). Installed without its own
 # requirements: litgpt 0.5.13 pins huggingface_hub<1.4, which transformers 5.23 outgrew; its model code needs only

@@ -1,7 +1,8 @@
 """What the strategy does to every DataLoader Lightning prepares (``strategy.process_dataloader``): samplers split over
 the world are refused, workers are seeded by the data-parallel rank, the sequence-sharding collate step is installed
 (given back in teardown), and the layers of :func:`lightning_ulysses.data.loaders.prepare_loader` are added, feeding the
-queue of the step kind the loader serves."""
+queue of the step kind the loader serves. litdata's streaming datasets, which split their stream themselves, are split
+over the data-parallel replicas (:mod:`lightning_ulysses.data.litdata_streams`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 from typing import Any, Callable, Mapping, Optional
 
 from lightning_ulysses import _compat
+from lightning_ulysses.data.litdata_streams import split_streams_by_dp
 from lightning_ulysses.data.loaders import ShardInfoQueue, prepare_loader, restore_loader
 from lightning_ulysses.data.sharding import install_sharding_collate
 from lightning_ulysses.parallel.layout import SequenceParallelLayout
@@ -29,6 +31,7 @@ def prepare_dataloader(dataloader: Any, layout: SequenceParallelLayout, queues: 
                                           fingerprint=fingerprint, ring_size=layout.ring_size)
     patches.apply(f"{type(dataloader).__name__}: sequence-sharding collate",
                   lambda: None, lambda loader=dataloader: restore_loader(loader))
+    split_streams_by_dp(dataloader, layout, patches)  # litdata's streams: split by the dp replicas, not the world
     kind = loader_kind(trainer)
     on_exhausted = None
     if end_of_data_check is not None:
