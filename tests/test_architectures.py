@@ -170,3 +170,19 @@ def test_modules_calling_a_submodule_per_loop_step_are_found():
             return x
 
     assert [name for _, name in loop_callers_reading_parameters(Toy())] == ["inner.weight"]
+
+
+def test_the_probe_grows_past_windows_and_chunks_and_names_thresholds_it_does_not_reach():
+    """Chunk sizes grow the probe as windows do; Llama 4's `floor_scale` is handled on global positions (not named);
+    a length threshold the strategy does not know and the probe does not reach is named (Doge's dynamic-mask
+    `keep_window_size` keeps the top 2048 keys, so it sparsifies only past 2048 tokens; Doge itself is refused for
+    its learned mask)."""
+    from lightning_ulysses.models import form_check
+    from tests.support.architectures import build_model
+
+    llama4 = build_model("llama4_text")
+    assert form_check.longest_window([llama4]) == llama4.config.attention_chunk_size == 8
+    llama4.config.floor_scale = 8192
+    assert form_check.unchecked_lengths([llama4], 16) == []
+    assert form_check.unchecked_lengths([build_model("doge")], 16) == ["keep_window_size=2048"]
+    assert form_check.unchecked_lengths([build_model("mamba2"), build_model("qwen3")], 16) == []

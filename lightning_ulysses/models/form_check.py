@@ -53,32 +53,52 @@ def probe_running() -> bool:
     """Whether the model-form check's probe is running now: for instrumentation that counts or records a step's
     calls (attention shapes, collectives) and should leave the probe's two forward passes out."""
     return _probe_depth > 0
-_WINDOW_KEYS = ("sliding_window", "local_attention", "attention_window", "window_size")
+# Config keys that are lengths in tokens past which a model computes differently. The probe grows past the longest
+# of these (at most MAX_PROBE_TOKENS in all), so that banded and chunked kernels run on it.
+_GROWN_KEYS = ("sliding_window", "local_attention", "attention_window", "window_size", "attention_chunk_size")
+# Length thresholds the strategy's own code computes on global positions, so that the probe need not reach them.
+HANDLED_LENGTHS = {
+    "sliding_window": "sliding-window attention on global positions",
+    "attention_chunk_size": "chunked attention with chunk boundaries of the whole row (models/hf_attention.py)",
+    "floor_scale": "Llama 4's attention temperature from global positions (models/hf_attention.py)",
+}
+_LENGTH_WORDS = ("window", "chunk", "floor_scale")
+# not thresholds of what a token sees: state-space scan blocks (any blocking gives the same result), feed-forward
+# chunks, layer counts, inference-only settings
+_NOT_LENGTHS = ("mamba_chunk_size", "chunk_size", "chunk_size_feed_forward")
+_NOT_LENGTH_PARTS = ("_layers", "inference")
 
 
-@dataclass
-class Probe:
-    """A probe row: ``ids``/``positions`` ``[1, L]`` whole (the same on every SP rank), this rank's ``index`` ``[n]``
-    into it and the :class:`ShardInfo` of the sharded run."""
-
-    ids: torch.Tensor
-    positions: torch.Tensor
-    index: torch.Tensor
-    shard: ShardInfo
+def _configs(model: nn.Module) -> list[Any]:
+    config = getattr(model, "config", None)
+    return [config] + [getattr(config, key, None) for key in (getattr(config, "sub_configs", {}) or {})]
 
 
 def longest_window(models: list[nn.Module]) -> int:
-    """The longest attention window any config of ``models`` names (0 if none)."""
+    """The longest attention window or chunk any config of ``models`` names (0 if none)."""
     longest = 0
     for model in models:
-        config = getattr(model, "config", None)
-        configs = [config] + [getattr(config, key, None) for key in (getattr(config, "sub_configs", {}) or {})]
-        for cfg in configs:
-            for key in _WINDOW_KEYS:
+        for cfg in _configs(model):
+            for key in _GROWN_KEYS:
                 value = getattr(cfg, key, None)
                 if isinstance(value, int) and value > 0:
                     longest = max(longest, value)
     return longest
+
+
+def unchecked_lengths(models: list[nn.Module], probe_length: int) -> list[str]:
+    """``"key=value"`` for every length threshold of the models' configs (a name with "window", "chunk" or
+    "floor_scale") that the probe of ``probe_length`` tokens does not reach and that the strategy does not handle on
+    global positions itself: what the model does past it is not checked."""
+    found = []
+    for model in models:
+        for cfg in _configs(model):
+            for key, value in sorted(vars(cfg).items()) if cfg is not None else ():
+                if (isinstance(value, int) and not isinstance(value, bool) and value >= probe_length
+                        and any(word in key for word in _LENGTH_WORDS) and key not in HANDLED_LENGTHS
+                        and key not in _NOT_LENGTHS and not any(part in key for part in _NOT_LENGTH_PARTS)):
+                    found.append(f"{key}={value}")
+    return sorted(set(found))
 
 
 def build_probe(real: ShardInfo, local_ids: torch.Tensor, geometry: SequenceGeometry, sp_rank: int,

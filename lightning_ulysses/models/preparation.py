@@ -12,6 +12,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator, Sequence
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
 from lightning_ulysses import _compat
@@ -169,6 +170,12 @@ class PreparedModels:
             return False
         probe = form_check.build_probe(context.shard_info, ids, layout.geometry, layout.sp_rank, layout.sp_group,
                                        form_check.longest_window(self.hf_models))
+        unchecked = form_check.unchecked_lengths(self.hf_models, probe.ids.shape[1])
+        if unchecked:
+            rank_zero_warn(f"UlyssesDeepSpeedStrategy's model-form check runs a probe of {probe.ids.shape[1]} tokens,"
+                           f" shorter than the length thresholds {unchecked} of the model's config, which the"
+                           " strategy does not know: what the model does past them is not checked. If the model"
+                           " computes them from positions, train a short run against one device at that length.")
         # a sequence classifier's pooling runs over the whole sequence (sequence_classification.py): its backbone is
         # the part that is sharded, per token
         targets = [(sequence_classification.backbone_of(m) if sequence_classification.is_sequence_classifier(m)
