@@ -98,3 +98,13 @@ def test_a_refusal_a_batch_triggers_mid_fit_stops_every_rank_with_the_message():
         result = rank["encoder_padding"]
         assert result["error_type"] == "ValueError", result
         assert "attends bidirectionally (an encoder), and this batch has padding" in result["message"]
+
+
+def test_the_own_shift_refusals_point_to_the_metrics_pattern():
+    """The training loss's own-shift refusals also name the pattern for evaluation metrics, where nothing is
+    back-propagated to stop an own shift."""
+    from lightning_ulysses.training.agreement import loss_mismatch_message, shard_local_message
+
+    for message in (loss_mismatch_message([0, 1], "training step", 1.0, 2.0),
+                    shard_local_message([0, 1], "training step", "logits")):
+        assert 'batch["shift_labels"]' in message and "Metrics: torchmetrics, own shifts" in message

@@ -50,7 +50,9 @@ _SEQUENCE_API = (
     " (reward and value heads, last-token embeddings), `strategy.sequence_count(mask)` (per-row counts);"
     " per-token means: `strategy.token_mean(values, weights)`, `strategy.cross_entropy(logits, shift_labels)`;"
     " whole rows: `strategy.gather_sequence(values)` (`strategy` is `self.trainer.strategy`; see"
-    " docs/post-training.md)."
+    " docs/post-training.md). Validation and test metrics fed from the same own shift are off too, and nothing is"
+    " back-propagated there to stop them: feed them from `batch[\"shift_labels\"]`, which lines up with this"
+    " rank's logits (docs/lightning-ecosystem.md, 'Metrics: torchmetrics, own shifts')."
 )
 
 
