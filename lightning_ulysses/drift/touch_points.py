@@ -308,6 +308,25 @@ def _zero3_leaf_modules() -> None:
     expect(not z3_leaf_module(module), "set_z3_leaf_module no longer unmarks a leaf")
 
 
+# ================================================================================================ litdata
+@touch_point("litdata: the distributed env a StreamingDataset splits by, its loader's collate wrapper", "litdata")
+def _litdata_distributed_env() -> None:
+    from litdata.streaming.dataloader import StreamingDataLoader, StreamingDataLoaderCollateFn
+    from litdata.streaming.dataset import StreamingDataset
+    from litdata.utilities.env import _DistributedEnv
+
+    expect(_parameters(_DistributedEnv.__init__)[:4] == ["self", "world_size", "global_rank", "num_nodes"],
+           "litdata's _DistributedEnv(world_size, global_rank, num_nodes) changed")
+    env = _DistributedEnv(world_size=4, global_rank=3, num_nodes=2)
+    expect((env.world_size, env.global_rank, env.num_nodes) == (4, 3, 2), "_DistributedEnv's fields changed")
+    expect(callable(getattr(_DistributedEnv, "detect", None)), "_DistributedEnv.detect is gone")
+    expect("self.distributed_env = _DistributedEnv.detect()" in inspect.getsource(StreamingDataset.__init__),
+           "StreamingDataset no longer keeps its split in distributed_env")
+    expect(_parameters(StreamingDataLoaderCollateFn.__init__)[:2] == ["self", "collate_fn"],
+           "StreamingDataLoaderCollateFn(collate_fn) changed")
+    expect(callable(getattr(StreamingDataLoader, "load_state_dict", None)), "StreamingDataLoader.load_state_dict")
+
+
 # ================================================================================================ torch
 TORCH_OP_SCHEMAS = {
     "_scaled_dot_product_flash_attention_for_cpu":
