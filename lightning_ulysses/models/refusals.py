@@ -268,8 +268,11 @@ _KNOWN_UNSHARDABLE = {
                        " the mixer exchange does not take (its convolution alone would be split, the recurrence"
                        " would restart at every shard)",
     "deepseek_v32": "uses DeepSeek sparse attention: an indexer (`DeepseekV32Indexer`) picks each query's"
-                    " `index_topk` keys from the whole sequence and the attention masks the others through a full 4-D"
-                    " mask (dense only when index_topk covers the sequence; not supported yet even then)",
+                    " `index_topk` keys from the whole sequence, by scores summed over all its heads, and the"
+                    " attention masks the others through a full 4-D mask. Neither a split of the heads nor of the"
+                    " sequence computes that top-k without exchanging [S, S] scores. (It is dense attention only"
+                    " while index_topk, 2048 by default, covers the sequence: shorter than the sequences sequence"
+                    " parallelism is for)",
     "doge": "passes a learned per-key bias (its dynamic mask) to attention through attention_mask",
     "qwen4_exp_text": "uses indexed attention (each query attends to the keys an indexer selects from the whole"
                       " sequence, through a full 4-D mask; its n-gram embeddings also read the tokens before a shard)",
