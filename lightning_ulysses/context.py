@@ -46,11 +46,14 @@ class ShardInfo:
             the padding; token ids and positions, never activations): what a vision-language model's multimodal
             positions and the placement of its image features are computed from
             (:mod:`lightning_ulysses.models.vision_language`). ``None`` otherwise.
+        positions_filled: the batch had no ``position_ids`` and the collate step filled in ``0..S-1``: a model that
+            numbers its positions itself when given none (RoBERTa-style) gets its own numbering
+            (:mod:`lightning_ulysses.models.position_numbering`).
     """
 
     __slots__ = ("seq_len", "cu_seqlens", "max_seqlen", "window_tokens", "batch_size", "fingerprint",
                  "position_ids", "attention_mask", "target_valid", "global_index", "padded_len", "halo",
-                 "max_position", "multimodal")
+                 "max_position", "multimodal", "positions_filled")
 
     def __init__(self, seq_len: int, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
                  window_tokens: Optional[torch.Tensor] = None, batch_size: int = 1,
@@ -69,6 +72,7 @@ class ShardInfo:
         self.halo = None
         self.max_position: Optional[int] = None
         self.multimodal: Optional[dict[str, torch.Tensor]] = None
+        self.positions_filled = False
 
     @property
     def shard_shape(self) -> Optional[tuple[int, int]]:

@@ -186,3 +186,13 @@ def test_the_probe_grows_past_windows_and_chunks_and_names_thresholds_it_does_no
     assert form_check.unchecked_lengths([llama4], 16) == []
     assert form_check.unchecked_lengths([build_model("doge")], 16) == ["keep_window_size=2048"]
     assert form_check.unchecked_lengths([build_model("mamba2"), build_model("qwen3")], 16) == []
+
+
+def test_the_form_check_catches_a_model_that_numbers_its_own_positions():
+    """RoBERTa-style embeddings number positions from ``padding_idx + 1`` when given none; the strategy numbers the
+    positions it fills in the same way. Without that, the check's second probe (contiguous positions, the whole run
+    without ``position_ids``, as one device runs a batch that has none) stops the fit before a weight changes."""
+    by_rank = launch(2, "architectures:run", {"names": ["roberta"], "steps": 1, "lr": LR,
+                                              "mutate": "no_position_numbering"})
+    for rank in by_rank:
+        assert "FormCheckFailed" in rank["roberta"]["error"], rank["roberta"]["error"]

@@ -90,7 +90,8 @@ def shard_batch(
         multimodal = {key: out[key] for key in _MULTIMODAL_TOKEN_KEYS if isinstance(out.get(key), torch.Tensor)}
         if rope_positions is not None:
             multimodal[POSITION_IDS] = rope_positions
-    if POSITION_IDS not in out:
+    positions_filled = POSITION_IDS not in out
+    if positions_filled:
         out[POSITION_IDS] = torch.arange(S, dtype=torch.long).expand(B, S)
     elif isinstance(out[POSITION_IDS], torch.Tensor) and tuple(out[POSITION_IDS].shape) == (1, S):
         out[POSITION_IDS] = out[POSITION_IDS].expand(B, S)  # Hugging Face's broadcast form: one row for all
@@ -134,6 +135,7 @@ def shard_batch(
     info = _shard_info(S, padded_len, document_start) if packed else ShardInfo(S)
     info.batch_size, info.fingerprint = B, digest
     info.position_ids = out[POSITION_IDS]
+    info.positions_filled = positions_filled
     info.max_position = int(position_ids.max())  # the full batch's, as one device's rotary embedding sees it
     info.attention_mask = out.get(ATTENTION_MASK)
     info.target_valid = cut(target_valid, "target_valid")  # padded with False

@@ -31,7 +31,7 @@ from torch import nn
 from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.data.halo import shift_labels_across_shards
-from lightning_ulysses.models import vision_language
+from lightning_ulysses.models import position_numbering, vision_language
 from lightning_ulysses.models.multimodal_positions import (given_multimodal_positions, multimodal_call_positions,
                                                            refuse_flat_packed_positions)
 from lightning_ulysses.training.step_context import StepContext
@@ -233,6 +233,11 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
     problem = None
     try:
         named["position_ids"] = _positions(name, given_positions, rows, shard, context, tokens.device)
+        filled = given_positions is None or (shard.positions_filled
+                                             and given_positions is batch_tensors.get("position_ids"))
+        if filled:  # not the user's positions: numbered as the model numbers its own (RoBERTa-style embeddings)
+            named["position_ids"] = position_numbering.numbered_as_the_model_does(
+                named["position_ids"], named.get("input_ids"), position_numbering.own_numbering_padding_index(model))
         _check_attention_mask(name, given_mask, rows, shard)
     except ValueError as err:
         problem = err

@@ -41,6 +41,7 @@ from torch import nn
 
 from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
+from lightning_ulysses.models import position_numbering
 from lightning_ulysses.parallel.geometry import SequenceGeometry
 from lightning_ulysses.training.step_context import StepContext
 
@@ -53,6 +54,19 @@ def probe_running() -> bool:
     """Whether the model-form check's probe is running now: for instrumentation that counts or records a step's
     calls (attention shapes, collectives) and should leave the probe's two forward passes out."""
     return _probe_depth > 0
+
+
+@dataclass
+class Probe:
+    """A probe row: ``ids``/``positions`` ``[1, L]`` whole (the same on every SP rank), this rank's ``index`` ``[n]``
+    into it and the :class:`ShardInfo` of the sharded run."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    index: torch.Tensor
+    shard: ShardInfo
+
+
 # Config keys that are lengths in tokens past which a model computes differently. The probe grows past the longest
 # of these (at most MAX_PROBE_TOKENS in all), so that banded and chunked kernels run on it.
 _GROWN_KEYS = ("sliding_window", "local_attention", "attention_window", "window_size", "attention_chunk_size")
@@ -278,21 +292,39 @@ class FormCheckFailed(RuntimeError):
     pass
 
 
-def check_model_form(targets: list[tuple[nn.Module, Callable[..., Any], Callable[..., Any]]], probe: Probe,
+def check_model_form(rounds: list[tuple[list[tuple[nn.Module, Callable[..., Any], Callable[..., Any]]], Probe]],
                      context: StepContext, device: torch.device, plain: Callable[[], contextlib.AbstractContextManager]
                      ) -> None:
-    """Run every ``(model, whole_call, sharded_call)`` of ``targets`` on the probe, whole (inside ``plain()``) and
-    sharded (with ``probe.shard`` as the step's shard facts); raise :class:`FormCheckFailed` on every rank if any
-    rank's outputs differ. ``whole_call(model, ids, positions)`` / ``sharded_call(model, ids)`` return the output."""
+    """For each ``(targets, probe)`` of ``rounds``, run every ``(model, whole_call, sharded_call)`` of ``targets`` on
+    the probe, whole (inside ``plain()``) and sharded (with ``probe.shard`` as the step's shard facts); raise
+    :class:`FormCheckFailed` on every rank if any rank's outputs differ. ``whole_call(model, ids, positions)`` /
+    ``sharded_call(model, ids)`` return the output."""
     global _probe_depth
     _probe_depth += 1
     try:
-        findings = _run_probe(targets, probe, context, device, plain, locate=False)
+        findings = [f for targets, probe in rounds for f in _run_probe(targets, probe, context, device, plain, False)]
         if _found_on_any_rank(bool(findings), device):  # run again, recording every module, to name the first
-            findings = _run_probe(targets, probe, context, device, plain, locate=True)
-            _agree_and_raise(findings, probe.ids.shape[1])
+            findings = [f for targets, probe in rounds
+                        for f in _run_probe(targets, probe, context, device, plain, True)]
+            _agree_and_raise(findings, rounds[0][1].ids.shape[1])
     finally:
         _probe_depth -= 1
+
+
+def contiguous_probe(probe: Probe) -> Probe:
+    """The probe's tokens at positions ``0..L-1``, their positions filled in by the strategy as for a batch without
+    ``position_ids``: run whole *without* positions (:func:`whole_hf_call_numbering_itself`), as one device runs such
+    a batch, it shows a model that numbers its positions itself otherwise than ``0..S-1`` (RoBERTa-style
+    embeddings from ``padding_idx + 1``, a decoder that ignores ``position_ids``)."""
+    length = probe.ids.shape[1]
+    positions = torch.arange(length, device=probe.positions.device)[None]  # [1, L]
+    shard = ShardInfo(length)
+    for name in ShardInfo.__slots__:
+        setattr(shard, name, getattr(probe.shard, name))
+    shard.position_ids = positions[:, probe.index.to(positions.device)].cpu().clone()  # [1, n]
+    shard.max_position = length - 1
+    shard.positions_filled = True
+    return Probe(probe.ids, positions, probe.index, shard)
 
 
 def _found_on_any_rank(found: bool, device: torch.device) -> bool:
@@ -418,8 +450,18 @@ def whole_hf_call(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor) 
     """A Hugging Face model on the whole probe, as one device runs it (the all-ones mask keeps transformers from
     reading the probe's position jumps as packed documents)."""
     kwargs: dict[str, Any] = {"input_ids": ids}
-    if _accepts(model, "position_ids"):
-        kwargs["position_ids"] = positions
+    if _accepts(model, "position_ids"):  # numbered as the model numbers its own (RoBERTa-style embeddings)
+        kwargs["position_ids"] = position_numbering.numbered_as_the_model_does(
+            positions, ids, position_numbering.own_numbering_padding_index(model))
+    if _accepts(model, "attention_mask"):
+        kwargs["attention_mask"] = torch.ones_like(ids)
+    return model(**kwargs)
+
+
+def whole_hf_call_numbering_itself(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> Any:
+    """A Hugging Face model on the whole contiguous probe without ``position_ids``: as one device runs a batch that
+    has none (the model numbers its positions itself)."""
+    kwargs: dict[str, Any] = {"input_ids": ids}
     if _accepts(model, "attention_mask"):
         kwargs["attention_mask"] = torch.ones_like(ids)
     return model(**kwargs)

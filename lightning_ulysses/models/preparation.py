@@ -182,7 +182,11 @@ class PreparedModels:
                     else m, form_check.whole_hf_call, form_check.sharded_hf_call) for m in self.hf_models]
         targets += [(root, form_check.whole_own_call, form_check.sharded_own_call) for root in self.form_check_roots]
         targets += [(m, form_check.whole_litgpt_call, form_check.sharded_own_call) for m in self.litgpt]
-        form_check.check_model_form(targets, probe, context, device, lambda: self.plain(context))
+        rounds = [(targets, probe)]
+        if context.shard_info.positions_filled and self.hf_models:  # the batch has no positions: as one device runs it
+            rounds.append(([(m, form_check.whole_hf_call_numbering_itself, form_check.sharded_hf_call)
+                            for m, _, _ in targets[:len(self.hf_models)]], form_check.contiguous_probe(probe)))
+        form_check.check_model_form(rounds, context, device, lambda: self.plain(context))
         return True
 
     @contextmanager

@@ -90,6 +90,10 @@ def _mixer_families(model: torch.nn.Module) -> list[list]:
 
 
 def run(payload: dict) -> dict:
+    if payload.get("mutate") == "no_position_numbering":  # the strategy forgets RoBERTa-style numbering
+        from lightning_ulysses.models import position_numbering
+
+        position_numbering.own_numbering_padding_index = lambda model: None
     results = {}
     for name in payload["names"]:
         os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)  # Lightning's teardown removes it after every fit

@@ -165,6 +165,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 8,
         "global_head_dim": 16, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128,
         "num_kv_shared_layers": 2}},
+    # RoBERTa-style embeddings number positions from padding_idx + 1 when given none (XLM-R, CamemBERT, ...)
+    "roberta": {"type": "roberta", "config": {"is_decoder": True}},
     # DBRX: fused experts that read another module's parameters (ZeRO-3 gathers them only inside a forward pass)
     "dbrx": {"type": "dbrx", "config": {
         "d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 256,
