@@ -274,6 +274,13 @@ _KNOWN_UNSHARDABLE = {
                     " while index_topk, 2048 by default, covers the sequence: shorter than the sequences sequence"
                     " parallelism is for)",
     "doge": "passes a learned per-key bias (its dynamic mask) to attention through attention_mask",
+    "zaya": "mixes the sequence inside its attention module, before the attention kernel: its compressed"
+            " convolutional attention (CCA) convolves queries and keys over the positions (`conv_qk_depthwise`,"
+            " `cca_time0/1`) and mixes in the previous token's value; the Ulysses exchange would cut those"
+            " convolutions at every shard boundary",
+    "blt": "attends between two sequences of different lengths (bytes and patches: the cross-attention of its local"
+           " encoder and decoder, `BltCrossAttention`), which the Ulysses exchange, built for one sequence cut into"
+           " equal shards, cannot shard",
     "qwen4_exp_text": "uses indexed attention (each query attends to the keys an indexer selects from the whole"
                       " sequence, through a full 4-D mask; its n-gram embeddings also read the tokens before a shard)",
 }

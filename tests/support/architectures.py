@@ -187,6 +187,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, head_dim=8,
         index_topk=8, index_head_dim=16, index_n_heads=2), "expect": "an indexer (`DeepseekV32Indexer`)"},
+    "zaya": {"type": "zaya", "expect": "compressed convolutional attention (CCA)"},
     "recurrent_gemma": {"type": "recurrent_gemma", "config": {
         "num_hidden_layers": 3, "num_key_value_heads": 1, "lru_width": 64, "attention_window_size": 8,
         "intermediate_size": 96}, "expect": "RG-LRU recurrence (`RecurrentGemmaRecurrentBlock`"},
