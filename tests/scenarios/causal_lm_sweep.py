@@ -1,0 +1,109 @@
+"""The sweep's SP fits (``benchmarks/causal_lm_sweep.py``, ``tests/test_causal_lm_sweep.py``), as
+``launch(2, "causal_lm_sweep:run", {"models": {model_type: class name}, ...})``: every model built tiny by
+``tests/support/sweep.py`` and fitted with ``UlyssesDeepSpeedStrategy(sp_size=2, stage=2)`` for ``STEPS`` SGD steps,
+one after the other in the same two processes, or stopped with an error. Rank 0 reports losses and final weights;
+every rank reports its error, and whether the strategy's own code raised it.
+
+``payload["progress"]`` (a folder, optional): each rank writes every model's result there as soon as it has it, so
+that a caller keeps them when a later model kills the processes. ``payload["model_timeout"]`` (seconds, optional):
+a fit that runs longer ends the process (its result says so), instead of hanging the launch.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
+
+from lightning_ulysses import UlyssesDeepSpeedStrategy
+from tests.support.sweep import STEPS, batches, build, format_exception, forward_kwargs, lr_for
+
+# Read once: Lightning's environment teardown removes WORLD_SIZE from os.environ after each fit.
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class SweepLM(LightningModule):
+    """The LightningModule a user writes around a Hugging Face causal LM."""
+
+    def __init__(self, model_type: str, class_name: str, steps: int) -> None:
+        super().__init__()
+        self.model = build(model_type, class_name)
+        self.lr, self.steps = lr_for(model_type), steps
+        self.forward_kwargs = forward_kwargs(model_type)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch, **self.forward_kwargs).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        rows = [{k: v[0] for k, v in b.items()} for b in batches(self.steps)]
+        return DataLoader(rows, batch_size=1)  # in order; every rank of the SP group reads the same rows
+
+
+def _fit(model_type: str, class_name: str, steps: int) -> dict[str, Any]:
+    result: dict[str, Any] = {"error": None}
+    module = None
+    start = time.monotonic()
+    try:
+        module = SweepLM(model_type, class_name, steps)
+        trainer = Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=UlyssesDeepSpeedStrategy(sp_size=2, stage=2),
+                          max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                          use_distributed_sampler=False)
+        trainer.fit(module)
+    except Exception as err:  # noqa: BLE001 - the sweep classifies the error
+        result.update(format_exception(err))
+    result["seconds"] = round(time.monotonic() - start, 1)
+    result["losses"] = list(module.losses) if module is not None else []
+    if result["error"] is None and int(os.environ.get("RANK", "0")) == 0:
+        result["final"] = {k: v.detach().float().clone() for k, v in module.model.named_parameters()}
+    return result
+
+
+def _save(folder: Path, model_type: str, result: dict) -> None:
+    path = folder / f"{model_type}.pkl"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(result))
+    tmp.rename(path)
+
+
+def run(payload: dict) -> dict:
+    rank = os.environ.get("RANK", "0")
+    folder = Path(payload["progress"]) / f"rank{rank}" if payload.get("progress") else None
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+    timeout = payload.get("model_timeout")
+    results = {}
+    for model_type, class_name in payload["models"].items():
+        os.environ["WORLD_SIZE"] = str(WORLD_SIZE)  # Lightning's teardown removes it after every fit
+        watchdog = None
+        if timeout:
+            def expire(model_type=model_type):
+                if folder is not None:
+                    _save(folder, model_type, {"error": f"TimeoutError: the fit ran past {timeout} s",
+                                               "raised_by_strategy": False, "losses": [], "timed_out": True})
+                print(f"[sweep] {model_type}: timed out after {timeout} s", flush=True)
+                os._exit(3)
+
+            watchdog = threading.Timer(timeout, expire)
+            watchdog.daemon = True
+            watchdog.start()
+        results[model_type] = _fit(model_type, class_name, payload.get("steps", STEPS))
+        if watchdog is not None:
+            watchdog.cancel()
+        if folder is not None:
+            _save(folder, model_type, results[model_type])
+        print(f"[sweep] {model_type}: {results[model_type]['error'] or 'trained'}", flush=True)
+    return results
