@@ -23,8 +23,8 @@ def next_token_sources(padded_len: int, geometry: SequenceGeometry, sp_rank: int
     def index_of(rank: int) -> torch.Tensor:  # [s] positions in the padded row that SP rank `rank` holds
         return geometry.shard_index(padded_len, rank)
 
-    def run_starts(index: torch.Tensor) -> list[int]:
-        return [0] + [i for i in range(1, len(index)) if int(index[i]) != int(index[i - 1]) + 1]
+    def run_starts(index: torch.Tensor) -> list[int]:  # one comparison of the whole shard, not one per token
+        return [0] + (torch.nonzero(index[1:] != index[:-1] + 1).flatten() + 1).tolist()
 
     owner: dict[int, tuple[int, int]] = {}  # global start of every run -> (SP rank, run number)
     slots = 1

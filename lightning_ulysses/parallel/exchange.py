@@ -4,7 +4,8 @@ Notation in the shape comments: ``B`` batch, ``S`` full sequence, ``s = S / sp``
 query/key-value heads of the model, ``hq``/``hkv`` heads this rank holds after the exchange, ``D`` head dim.
 
 One forward pass of one attention layer costs exactly two all-to-alls (q, k and v travel packed in one; the output
-in the other), and its backward two more.
+in the other), and its backward two more; none in a group of one rank (ring attention alone, ``ring_size = sp_size``),
+whose rank holds every head of its tokens already.
 
 Head counts: when ``sp`` divides ``Hq`` (and divides or is a multiple of ``Hkv``) every rank gets the same number of
 heads, and KV heads travel as they are (replicated when ``Hkv < sp``). Otherwise the heads are split unevenly: rank
@@ -94,6 +95,8 @@ def sequence_to_head_shards(
         ``[sum(head_counts[:j]), sum(head_counts[:j+1]))``, and the KV heads they use.
     """
     sp = dist.get_world_size(group)
+    if sp == 1:  # a group of one rank (ring attention alone: ring_size = sp_size) holds every head already
+        return query, key, value
     B, Hq, s, D = query.shape
     Hkv = key.shape[1]
     if not is_even_split(Hq, Hkv, sp):
@@ -158,6 +161,8 @@ def head_to_sequence_shards(
         ``[B, s, Hq, D]``: this rank's sequence shard with all heads, in head order.
     """
     sp = dist.get_world_size(group)
+    if sp == 1:  # a group of one rank: the sequence is this rank's already
+        return attn_output
     B, S, hq, D = attn_output.shape
     s = S // sp
     counts: Sequence[int] = head_counts(num_heads, sp) if num_heads is not None else [hq] * sp

@@ -36,7 +36,7 @@ def _start_pass(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[
     """Start sending ``tensors`` to the next ring rank and receiving the previous rank's; returns the requests (wait
     on them before reading the received tensors) and the receive buffers."""
     nxt, prev = _ring_peers(group)
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prev, group) for r in received]
     return dist.batch_isend_irecv(ops), received
@@ -255,6 +255,34 @@ def _causal(c: int, device: torch.device) -> torch.Tensor:
     return torch.ones(c, c, dtype=torch.bool, device=device).tril()
 
 
+class _Slices:
+    """Slices along the sequence (dim 2) of a ``[B, h, L, ...]`` tensor, each made contiguous once when
+    ``contiguous`` (the fused kernels take contiguous inputs, and the same query slices serve several blocks)."""
+
+    __slots__ = ("tensor", "contiguous", "_cut")
+
+    def __init__(self, tensor: torch.Tensor, contiguous: bool) -> None:
+        self.tensor, self.contiguous, self._cut = tensor, contiguous, {}
+
+    def __getitem__(self, part: slice) -> torch.Tensor:
+        if not self.contiguous:
+            return self.tensor[:, :, part]
+        key = (part.start, part.stop)
+        if key not in self._cut:
+            self._cut[key] = self.tensor[:, :, part].contiguous()
+        return self._cut[key]
+
+
+def _fresh(result: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A kernel's fresh ``result`` as an accumulator: in ``dtype``, contiguous (no copy when it already is)."""
+    return result.to(dtype).contiguous()
+
+
+def _covers(part: slice, length: int) -> bool:
+    """Whether ``part`` (a slice of a sequence of ``length``) is all of it."""
+    return (part.start or 0) == 0 and (part.stop is None or part.stop >= length)
+
+
 def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Fold one block's ``(out, lse)`` into the running ``(acc, acc_lse)`` (in place): the exact softmax over the
     union of their keys."""
@@ -288,10 +316,10 @@ class _RingAttention(torch.autograd.Function):
         kernel = block_kernel(q)
         kernel_dtype = q.dtype if kernel != "matmul" else (torch.float64 if q.dtype == torch.float64 else torch.float32)
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        qk = q.to(kernel_dtype)
+        qk = _Slices(q.to(kernel_dtype), contiguous=kernel != "matmul")
         q_pos = zigzag_positions(i, R, c, q.device)
-        acc = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
-        acc_lse = torch.full((B, hq, L), float("-inf"), dtype=acc_dtype, device=q.device)
+        acc: Optional[torch.Tensor] = None  # the running (out, lse) of every query, from the first block on
+        acc_lse: Optional[torch.Tensor] = None
         block_k, block_v = k, v
         for step in range(R):
             owner = (i - step) % R  # whose tokens this K/V block holds
@@ -300,7 +328,16 @@ class _RingAttention(torch.autograd.Function):
             kx, vx = _expand_heads(block_k, groups, kernel_dtype), _expand_heads(block_v, groups, kernel_dtype)
             k_pos = zigzag_positions(owner, R, c, q.device)
             for qs, ks, causal, mask in _sub_blocks(q_pos, k_pos, c, window, documents):
-                out_b, lse_b = _block_forward(qk[:, :, qs], kx[:, :, ks], vx[:, :, ks], causal, mask, scale, kernel)
+                out_b, lse_b = _block_forward(qk[qs], kx[:, :, ks], vx[:, :, ks], causal, mask, scale, kernel)
+                if acc is None and _covers(qs, L) and mask is None:
+                    # the first block every query attends to (this rank's own, causal): the merge into the empty
+                    # state would give exactly (out_b, lse_b), so they are the state (contiguous, as the merge's
+                    # buffers are: elementwise kernels round alike only on alike layouts)
+                    acc, acc_lse = _fresh(out_b, acc_dtype), _fresh(lse_b, acc_dtype)
+                    continue
+                if acc is None:
+                    acc = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
+                    acc_lse = torch.full((B, hq, L), float("-inf"), dtype=acc_dtype, device=q.device)
                 _merge(acc[:, :, qs], acc_lse[:, :, qs], out_b, lse_b.to(acc_dtype))
             if step + 1 < R:
                 for request in requests:
@@ -322,34 +359,57 @@ class _RingAttention(torch.autograd.Function):
         c = L // 2
         kernel_dtype = out.dtype
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        qk, dout = q.to(kernel_dtype), grad_out.to(kernel_dtype)
-        lse = lse.to(torch.float32) if kernel_dtype != torch.float64 else lse
+        fused = kernel != "matmul"
+        qk, dout = _Slices(q.to(kernel_dtype), fused), _Slices(grad_out.to(kernel_dtype), fused)
+        out_s = _Slices(out, fused)
+        lse_s = _Slices(lse.to(torch.float32) if kernel_dtype != torch.float64 else lse, fused)
         q_pos = zigzag_positions(i, R, c, q.device)
-        dq = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
+        dq: Optional[torch.Tensor] = None
         block_k, block_v = k, v
         grads_in_flight = None  # (requests, [dk, dv]) of the block arriving next
-        block_dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
-        block_dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
+        # With one query head per KV head and one kernel call per block (plain causal attention) each block's key/value
+        # gradients are added straight into the gradients that arrive with it; otherwise per block into [B, hq, L, D]
+        # buffers first, summed over each KV head's query heads.
+        direct = groups == 1 and not window and documents is None
         for step in range(R):
             owner = (i - step) % R
             if step + 1 < R:  # the next K/V block travels while this one is computed
                 kv_requests, (next_k, next_v) = _start_pass([block_k, block_v], group)
             kx, vx = _expand_heads(block_k, groups, kernel_dtype), _expand_heads(block_v, groups, kernel_dtype)
-            dk_x = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
-            dv_x = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
             k_pos = zigzag_positions(owner, R, c, q.device)
+            parts = []  # (key slice, dk, dv) of each sub-block
             for qs, ks, causal, mask in _sub_blocks(q_pos, k_pos, c, window, documents):
-                dq_b, dk_b, dv_b = _block_backward(dout[:, :, qs], qk[:, :, qs], kx[:, :, ks], vx[:, :, ks],
-                                                   out[:, :, qs], lse[:, :, qs], causal, mask, scale, kernel)
-                dq[:, :, qs] += dq_b
-                dk_x[:, :, ks] += dk_b
-                dv_x[:, :, ks] += dv_b
+                dq_b, dk_b, dv_b = _block_backward(dout[qs], qk[qs], kx[:, :, ks], vx[:, :, ks], out_s[qs],
+                                                   lse_s[qs], causal, mask, scale, kernel)
+                if dq is None and _covers(qs, L):  # the first block: 0 + dq_b is dq_b
+                    dq = _fresh(dq_b, acc_dtype)
+                else:
+                    if dq is None:
+                        dq = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
+                    dq[:, :, qs] += dq_b
+                parts.append((ks, dk_b, dv_b))
+            if not direct:
+                dk_x = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
+                dv_x = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
+                for ks, dk_b, dv_b in parts:
+                    dk_x[:, :, ks] += dk_b
+                    dv_x[:, :, ks] += dv_b
+                parts = [(slice(None), dk_x.view(B, hkv, groups, L, D).sum(2), dv_x.view(B, hkv, groups, L, D).sum(2))]
             if grads_in_flight is not None:  # this block's gradients from the ranks before: arrived meanwhile
                 for request in grads_in_flight[0]:
                     request.wait()
-                block_dk, block_dv = grads_in_flight[1]
-            block_dk = block_dk + dk_x.view(B, hkv, groups, L, D).sum(2)
-            block_dv = block_dv + dv_x.view(B, hkv, groups, L, D).sum(2)
+                block_dk, block_dv = grads_in_flight[1]  # received buffers: this rank's to add to, then send on
+                for ks, dk_b, dv_b in parts:
+                    block_dk[:, :, ks] += dk_b
+                    block_dv[:, :, ks] += dv_b
+            elif len(parts) == 1 and _covers(parts[0][0], L):  # this rank's own block, the first: 0 + dk_b is dk_b
+                block_dk, block_dv = _fresh(parts[0][1], acc_dtype), _fresh(parts[0][2], acc_dtype)
+            else:  # (the own block in pieces) its gradients start from 0
+                block_dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
+                block_dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
+                for ks, dk_b, dv_b in parts:
+                    block_dk[:, :, ks] += dk_b
+                    block_dv[:, :, ks] += dv_b
             # the gradients follow their block to the next rank (after R passes they are back with the owner)
             grads_in_flight = _start_pass([block_dk, block_dv], group)
             if step + 1 < R:
@@ -359,6 +419,8 @@ class _RingAttention(torch.autograd.Function):
         for request in grads_in_flight[0]:  # type: ignore[index]
             request.wait()
         dk, dv = grads_in_flight[1]  # type: ignore[index]
+        if dq is None:  # no block gave this rank's queries anything (cannot happen: each sees itself)
+            dq = torch.zeros((B, hq, L, D), dtype=acc_dtype, device=q.device)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
