@@ -50,8 +50,8 @@ def causal_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optiona
     return mask
 
 
-def _sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, c: int, window: Optional[int],
-                documents: Optional[torch.Tensor] = None):
+def _sub_blocks(q_rank: int, k_rank: int, ring_size: int, c: int, window: Optional[int],
+                documents: Optional[torch.Tensor] = None, device: Optional[torch.device] = None):
     """The (query slice, key slice, causal, mask) of the parts of a ``[2c, 2c]`` zigzag block that have anything to
     attend to. Plain causal attention: one part per block (this rank's own block is causal as a whole; another
     rank's block is seen entirely by the queries of one chunk or in its first chunk by all queries). With a window
@@ -59,15 +59,19 @@ def _sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, c: int, window: Option
     the same positions without a window or documents (the kernels' own causal mode), else ``mask`` (``[c, c]``, or
     ``[B, 1, c, c]`` with packed ``documents [B, S]``: True = attend) or ``None`` where every entry is allowed. With
     the zigzag layout about half of the sub-blocks are empty and skipped (with packed documents also those whose
-    queries' documents start after their keys)."""
+    queries' documents start after their keys). The queries are ring rank ``q_rank``'s, the keys ``k_rank``'s; the
+    plain causal parts follow from the two ranks alone (no positions, no host sync), the others from their zigzag
+    positions on ``device``."""
     if not window and documents is None:  # plain causal: the zigzag block is one kernel call
-        if torch.equal(q_pos, k_pos):  # this rank's own block: positions ascending, exactly causal
+        if q_rank == k_rank:  # this rank's own block: positions ascending, exactly causal
             yield slice(0, 2 * c), slice(0, 2 * c), True, None
-        elif k_pos[0] < q_pos[0]:  # an earlier ring rank's block: all queries see its first chunk, not its second
+        elif k_rank < q_rank:  # an earlier ring rank's block: all queries see its first chunk, not its second
             yield slice(0, 2 * c), slice(0, c), False, None
         else:  # a later ring rank's block: only the second query chunk sees it, all of it
             yield slice(c, 2 * c), slice(0, 2 * c), False, None
         return
+    q_pos = zigzag_positions(q_rank, ring_size, c, device)
+    k_pos = zigzag_positions(k_rank, ring_size, c, device)
     for qh in (0, 1):
         for kh in (0, 1):
             q_half, k_half = q_pos[qh * c:(qh + 1) * c], k_pos[kh * c:(kh + 1) * c]
@@ -317,7 +321,6 @@ class _RingAttention(torch.autograd.Function):
         kernel_dtype = q.dtype if kernel != "matmul" else (torch.float64 if q.dtype == torch.float64 else torch.float32)
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         qk = _Slices(q.to(kernel_dtype), contiguous=kernel != "matmul")
-        q_pos = zigzag_positions(i, R, c, q.device)
         acc: Optional[torch.Tensor] = None  # the running (out, lse) of every query, from the first block on
         acc_lse: Optional[torch.Tensor] = None
         block_k, block_v = k, v
@@ -326,8 +329,7 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < R:  # the next block travels while this one is computed
                 requests, (next_k, next_v) = _start_pass([block_k, block_v], group)
             kx, vx = _expand_heads(block_k, groups, kernel_dtype), _expand_heads(block_v, groups, kernel_dtype)
-            k_pos = zigzag_positions(owner, R, c, q.device)
-            for qs, ks, causal, mask in _sub_blocks(q_pos, k_pos, c, window, documents):
+            for qs, ks, causal, mask in _sub_blocks(i, owner, R, c, window, documents, q.device):
                 out_b, lse_b = _block_forward(qk[qs], kx[:, :, ks], vx[:, :, ks], causal, mask, scale, kernel)
                 if acc is None and _covers(qs, L) and mask is None:
                     # the first block every query attends to (this rank's own, causal): the merge into the empty
@@ -363,7 +365,6 @@ class _RingAttention(torch.autograd.Function):
         qk, dout = _Slices(q.to(kernel_dtype), fused), _Slices(grad_out.to(kernel_dtype), fused)
         out_s = _Slices(out, fused)
         lse_s = _Slices(lse.to(torch.float32) if kernel_dtype != torch.float64 else lse, fused)
-        q_pos = zigzag_positions(i, R, c, q.device)
         dq: Optional[torch.Tensor] = None
         block_k, block_v = k, v
         grads_in_flight = None  # (requests, [dk, dv]) of the block arriving next
@@ -376,9 +377,8 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < R:  # the next K/V block travels while this one is computed
                 kv_requests, (next_k, next_v) = _start_pass([block_k, block_v], group)
             kx, vx = _expand_heads(block_k, groups, kernel_dtype), _expand_heads(block_v, groups, kernel_dtype)
-            k_pos = zigzag_positions(owner, R, c, q.device)
             parts = []  # (key slice, dk, dv) of each sub-block
-            for qs, ks, causal, mask in _sub_blocks(q_pos, k_pos, c, window, documents):
+            for qs, ks, causal, mask in _sub_blocks(i, owner, R, c, window, documents, q.device):
                 dq_b, dk_b, dv_b = _block_backward(dout[qs], qk[qs], kx[:, :, ks], vx[:, :, ks], out_s[qs],
                                                    lse_s[qs], causal, mask, scale, kernel)
                 if dq is None and _covers(qs, L):  # the first block: 0 + dq_b is dq_b

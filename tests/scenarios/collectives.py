@@ -24,3 +24,49 @@ def run(payload: dict) -> dict:
         trainer.fit(module)
         out[layers] = {"forward": module.forward_counts, "backward": module.backward_counts}
     return out
+
+
+def _step_overhead_benchmark():
+    """``benchmarks/step_overhead.py`` (its tracer and op counter)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "step_overhead.py"
+    spec = importlib.util.spec_from_file_location("_step_overhead", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def step_overhead(payload: dict) -> dict:
+    """What the strategy's own code does in one steady training step (the second, after the model-form check's
+    first), counted by ``benchmarks/step_overhead.py``'s tracer and op counter, per ``ring_size``: entries into the
+    strategy's code, its collectives and host syncs, and the SP attention's collectives."""
+    from lightning.pytorch import Callback
+
+    bench = _step_overhead_benchmark()
+
+    class CountStep(Callback):
+        def __init__(self) -> None:
+            self.tracer = bench.StepTracer()
+            self.ops = bench.op_counter(self.tracer)
+            self.counts: dict = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx == 0:  # from the first step's end to the second's: one whole step, its collate included
+                self.tracer.start()
+                self.ops.__enter__()
+            elif batch_idx == 1:
+                self.ops.__exit__(None, None, None)
+                self.tracer.stop()
+                self.counts = bench.per_step_counts(self.tracer, self.ops.counts)
+
+    out = {}
+    for ring_size in payload["ring_sizes"]:
+        seed_everything(SEED, verbose=False)
+        module = CountingCausalLM(tiny_llama_config(num_kv_heads=2, layers=2), dataset=TokenDataset(4, 32))
+        counter = CountStep()
+        strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=2, ring_size=ring_size)
+        make_trainer(strategy, max_steps=3, callbacks=[counter]).fit(module)
+        out[ring_size] = counter.counts
+    return out
