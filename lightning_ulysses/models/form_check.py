@@ -23,8 +23,13 @@ So before the first step (training, validation, test or predict) of every Traine
   with a message naming the first module whose output differs (found by running both passes again with every
   submodule's output recorded, only when a difference was found).
 
+When the real batch has no ``position_ids`` (the strategy fills them in), a second probe runs the same tokens at
+positions ``0..L-1``, the whole run without ``position_ids`` as one device runs such a batch
+(:func:`contiguous_probe`): a model that numbers its positions itself otherwise is caught there.
+
 Both runs are forward passes without gradients in eval mode (no dropout) with the random state restored. Cost: two
-forward passes of ``L`` tokens (``L`` = 8 at sp=2), once per stage (measured in ``benchmarks/integrity_cost.py``).
+forward passes of ``L`` tokens (``L`` = 8 at sp=2), four with the second probe, once per stage (measured in
+``benchmarks/integrity_cost.py``).
 ``UlyssesDeepSpeedStrategy(check_model_form=False)`` switches it off.
 """
 
@@ -52,7 +57,7 @@ _probe_depth = 0
 
 def probe_running() -> bool:
     """Whether the model-form check's probe is running now: for instrumentation that counts or records a step's
-    calls (attention shapes, collectives) and should leave the probe's two forward passes out."""
+    calls (attention shapes, collectives) and should leave the probe's forward passes out."""
     return _probe_depth > 0
 
 
