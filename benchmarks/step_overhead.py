@@ -81,6 +81,7 @@ class StepTracer:
         self.seconds: Counter = Counter()
         self.entries: Counter = Counter()
         self.own_c_calls: Counter = Counter()
+        self.own_seconds: Counter = Counter()  # own time (without its collectives) by innermost own function
         self._stack: list[str] = []
         self._names: list[str] = []  # the innermost own function at each depth
         self.where = ""
@@ -109,6 +110,8 @@ class StepTracer:
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
         now = time.perf_counter()
         self.seconds[self.label] += now - self._last
+        if self.label == "own":
+            self.own_seconds[self.where] += now - self._last
         if event == "call":
             kind = self._kind(frame.f_code) or self.label
             if kind == "own" and self.label == "attention":
@@ -205,7 +208,9 @@ class _Steps:
         if index == self.timed:  # the traced step ended
             self.tracer.stop()
             wall = time.perf_counter() - self._t
-            self.traced = {"step_s": wall, "seconds": dict(self.tracer.seconds)}
+            self.traced = {"step_s": wall, "seconds": dict(self.tracer.seconds),
+                           "own_ms_by_function": {k: round(1e3 * v, 3) for k, v in
+                                                  self.tracer.own_seconds.most_common(12)}}
         elif index == self.timed + 1:  # the counted step ended
             self.counter.__exit__(None, None, None)
             self.tracer.stop()
@@ -384,6 +389,7 @@ def summarize(runs: list[dict], args) -> dict:
                           "own_collectives_ms_least_rank": 1e3 * statistics.median(comm),
                           "own_collectives_ms_most_rank": 1e3 * statistics.median(max(r["own_comm_s"]) for r in mine),
                           "traced_split_s_rank0": mine[-1]["traced"][0]["seconds"],
+                          "own_ms_by_function_rank0": mine[-1]["traced"][0].get("own_ms_by_function", {}),
                           "counts_rank0": mine[-1]["traced"][0].get("counts", {})})
         out["configs"][config] = entry
     bases = [b for b in ("ulysses", "deepspeed-loop") if b in configs]
@@ -426,6 +432,7 @@ def table(summary: dict) -> str:
                          f" {counts['attention_collectives']}, host syncs {counts['attention_host_syncs']}")
             split = {k: round(v, 4) for k, v in e["traced_split_s_rank0"].items()}
             lines.append(f"{config}: traced step split (s, rank 0): {split}")
+            lines.append(f"{config}: own time by function (ms, rank 0): {e.get('own_ms_by_function_rank0')}")
     return "\n".join(lines)
 
 

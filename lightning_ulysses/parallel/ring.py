@@ -320,6 +320,9 @@ class _RingAttention(torch.autograd.Function):
         kernel = block_kernel(q)
         kernel_dtype = q.dtype if kernel != "matmul" else (torch.float64 if q.dtype == torch.float64 else torch.float32)
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if kernel != "matmul":  # the fused kernels and the passes take contiguous blocks: one copy each, here (the
+            # projections' [B, s, h, D] views arrive as they are where the Ulysses group has one rank)
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         qk = _Slices(q.to(kernel_dtype), contiguous=kernel != "matmul")
         acc: Optional[torch.Tensor] = None  # the running (out, lse) of every query, from the first block on
         acc_lse: Optional[torch.Tensor] = None
