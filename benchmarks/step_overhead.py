@@ -22,13 +22,16 @@ both are reported; a ratio is the median over the repeats of the ratio within ea
 After the timed steps every strategy run traces two more steps on every rank (neither is timed):
 
 1. :class:`StepTracer` (``sys.setprofile``) attributes each moment of one whole step (from one step's end to the
-   next, so the loader's collate step is in it) to the innermost code that is either the strategy's own
-   (``lightning_ulysses``, without the attention kernels), the SP attention (``lightning_ulysses``'s exchange, ring
-   and attention modules) or the rest (Lightning, DeepSpeed, transformers, the model, the LightningModule). Calls
-   into torch, the standard library and C functions count for whoever called them. The strategy's share is the
-   **own time** of the step: its Python, its host syncs and the collectives it issues itself, waits included. The
-   tracer's own callbacks are not counted, so the own time is an upper bound only by the little the tracer adds
-   to the interpreter.
+   next, so the loader's collate step is in it) to the innermost code that is one of: the strategy's own code
+   (``lightning_ulysses``); the SP attention (its attention function ``models/hf_attention.py`` and the exchange,
+   ring and attention modules: the model's attention, distributed); the loss kernels of the strategy's loss
+   (``cross_entropy_sum`` and the like: what transformers' loss computes on one device); the rest (Lightning,
+   DeepSpeed, transformers, the model, the LightningModule). Calls into torch, the standard library and C functions
+   count for whoever called them. The strategy's share is the **own time** of the step: its Python, its host syncs
+   and its collectives (``own_comm``: the SP-peer checks, the loss's sum and count over the group), the latter
+   taken on the rank that waited least in them (the others also wait there for slower peers, a wait that without
+   the collective would fall in the step's next one). The tracer's callbacks are not counted; what the tracer adds
+   to the interpreter per call makes the own time an upper bound.
 2. :class:`OpCounter` (a ``TorchDispatchMode``, with the tracer telling whose code runs) counts, per kind of code,
    the collectives (``c10d`` ops; ring passes as ``send``/``recv_``) and the host syncs (``_local_scalar_dense``:
    ``.item()``, ``bool()``/``int()``/``float()`` of a tensor; ``equal``; plus the ``.tolist()`` calls the tracer
@@ -61,7 +64,9 @@ import sweep  # noqa: E402  (the sweep's model, data and hand-written loop set-u
 RESULTS = HERE / "results"
 CONFIGS = {"ulysses": 1, "ring2": 2, "ring4": 4, "deepspeed-loop": 0}
 # lightning_ulysses modules that implement the SP attention (the model's compute, distributed), by file name
-ATTENTION_FILES = ("ring.py", "exchange.py", "attention.py", "sinks.py", "image_blocks.py")
+ATTENTION_FILES = ("hf_attention.py", "ring.py", "exchange.py", "attention.py", "sinks.py", "image_blocks.py")
+# the strategy's functions that compute the model's loss itself (what transformers' loss computes on one device)
+LOSS_FUNCTIONS = ("cross_entropy_sum", "token_statistics", "token_cross_entropy", "at_least_fp32")
 # code that is the model's compute or the frameworks' own work (its callees count for it)
 COMPUTE_PARTS = ("/lightning/", "/deepspeed/", "/transformers/", "/lightning_fabric/")
 # torch.distributed's collectives (the Python functions in distributed_c10d.py)
@@ -97,7 +102,9 @@ class StepTracer:
             if code.co_name == "__torch_dispatch__":
                 kind = None  # the op counter below: whoever called the op
             elif "/lightning_ulysses/" in path:
-                kind = "attention" if path.rsplit("/", 1)[-1] in ATTENTION_FILES else "own"
+                name = path.rsplit("/", 1)[-1]
+                kind = ("attention" if name in ATTENTION_FILES else
+                        "loss" if name == "loss.py" and code.co_name in LOSS_FUNCTIONS else "own")
             elif any(part in path for part in COMPUTE_PARTS) or "/benchmarks/" in path or "/tests/" in path:
                 kind = "other"  # the frameworks, the model, the LightningModule
             elif path.endswith("torch/distributed/distributed_c10d.py") and code.co_name in COLLECTIVES:
@@ -114,8 +121,8 @@ class StepTracer:
             self.own_seconds[self.where] += now - self._last
         if event == "call":
             kind = self._kind(frame.f_code) or self.label
-            if kind == "own" and self.label == "attention":
-                kind = "attention"  # helpers the SP attention calls (its kernels' wrappers, positions)
+            if kind == "own" and self.label in ("attention", "loss"):
+                kind = self.label  # helpers the SP attention or the loss calls (kernels' wrappers, positions)
             elif kind == "comm":
                 kind = "own_comm" if self.label in ("own", "own_comm") else self.label
             if kind == "own" and self.label != "own":
