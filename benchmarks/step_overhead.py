@@ -241,7 +241,28 @@ class _Steps:
             self.start()
 
     def result(self) -> dict:
-        return {"step_s": self.wall, "cpu_s": self.cpu, "traced": self.traced}
+        return {"step_s": self.wall, "cpu_s": self.cpu, "traced": self.traced,
+                "collective_latency_s": getattr(self, "collective_latency_s", None)}
+
+
+def collective_latency(device: Any, repeats: int = 200) -> float:
+    """Median time of one all-reduce of 8 int64 over the world (the size of the strategy's per-step checks), the
+    ranks in step: what one of the strategy's collectives costs in this set-up apart from waiting for slower peers."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.zeros(8, dtype=torch.int64, device=device)
+    dist.barrier()
+    for _ in range(20):
+        dist.all_reduce(x)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def worker_strategy(args) -> dict:
@@ -268,6 +289,9 @@ def worker_strategy(args) -> dict:
     class Timer(Callback):
         def on_train_start(self, trainer, pl_module):
             steps.start()
+
+        def on_train_end(self, trainer, pl_module):
+            steps.collective_latency_s = collective_latency(pl_module.device)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if cuda:
@@ -356,6 +380,8 @@ def run_one(args, config: str) -> Optional[dict]:
         row["own_s"] = [s.get("own", 0.0) for s in seconds]
         row["own_comm_s"] = [s.get("own_comm", 0.0) for s in seconds]
         row["traced_step_s"] = [r["traced"]["step_s"] for r in ranks]
+        row["collective_latency_s"] = ranks[0]["collective_latency_s"]
+        row["own_collectives"] = sum(ranks[0]["traced"]["counts"]["own_collectives"].values())
     return row
 
 
@@ -383,17 +409,21 @@ def summarize(runs: list[dict], args) -> dict:
                  "load": [r["load_at_start"] for r in mine]}
         if "traced" in mine[0]:
             # The strategy's own work: the rank whose own code (without its collectives) took longest, plus its
-            # collectives on the rank that spent least in them (the others also wait there for slower peers, a wait
-            # that without the collective would fall in the step's next one; the least is still an upper bound of
-            # what the collectives themselves cost).
+            # collectives at what one costs with the ranks in step (measured after the fit). Inside the step the
+            # ranks also wait in them for slower peers, a wait that without them would fall in the step's next
+            # collective; on the rank that waited least it is reported too (with more processes than cores it
+            # includes the wait for a peer to be scheduled).
             work = [max(r["own_s"]) for r in mine]
-            comm = [min(r["own_comm_s"]) for r in mine]
+            comm = [r["own_collectives"] * r["collective_latency_s"] for r in mine]
             own = [w + c for w, c in zip(work, comm)]
             # over the untraced median step (the traced step is a little longer: the tracer's callbacks)
             shares = [o / r["step_s"] for o, r in zip(own, mine)]
             entry.update({"own_ms": 1e3 * statistics.median(own), "own_share_of_step": statistics.median(shares),
                           "own_work_ms": 1e3 * statistics.median(work),
-                          "own_collectives_ms_least_rank": 1e3 * statistics.median(comm),
+                          "own_collectives_ms": 1e3 * statistics.median(comm),
+                          "own_collectives_per_step": mine[0]["own_collectives"],
+                          "collective_latency_ms": 1e3 * statistics.median(r["collective_latency_s"] for r in mine),
+                          "own_collectives_ms_least_rank": 1e3 * statistics.median(min(r["own_comm_s"]) for r in mine),
                           "own_collectives_ms_most_rank": 1e3 * statistics.median(max(r["own_comm_s"]) for r in mine),
                           "traced_split_s_rank0": mine[-1]["traced"][0]["seconds"],
                           "own_ms_by_function_rank0": mine[-1]["traced"][0].get("own_ms_by_function", {}),
@@ -416,12 +446,12 @@ def table(summary: dict) -> str:
     s = summary["settings"]
     lines = [f"sp={s['sp']}, S={s['seq_len']}, hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads, "
              f"{s['repeat']} interleaved repeats of {s['steps']} steps (first left out)", "",
-             "| config | step s (rank 0) | CPU s/step (all ranks) | strategy's own code ms/step (work + its"
-             " collectives) | share of the step | load at each start |",
+             "| config | step s (rank 0) | CPU s/step (all ranks) | strategy's own code ms/step (work + collectives"
+             " x ms each) | share of the step | load at each start |",
              "|---|---|---|---|---|---|"]
     for config, e in summary["configs"].items():
-        own = (f"{e['own_ms']:.1f} ({e['own_work_ms']:.1f} + {e['own_collectives_ms_least_rank']:.1f})"
-               if "own_ms" in e else "—")
+        own = (f"{e['own_ms']:.1f} ({e['own_work_ms']:.1f} + {e['own_collectives_per_step']} x"
+               f" {e['collective_latency_ms']:.2f})" if "own_ms" in e else "—")
         share = f"{100 * e['own_share_of_step']:.2f}%" if "own_share_of_step" in e else "—"
         load = "/".join(f"{x:.1f}" for x in e["load"])
         lines.append(f"| {config} | {e['step_s']:.3f} | {e['cpu_s']:.3f} | {own} | {share} | {load} |")
@@ -440,6 +470,8 @@ def table(summary: dict) -> str:
             split = {k: round(v, 4) for k, v in e["traced_split_s_rank0"].items()}
             lines.append(f"{config}: traced step split (s, rank 0): {split}")
             lines.append(f"{config}: own time by function (ms, rank 0): {e.get('own_ms_by_function_rank0')}")
+            lines.append(f"{config}: in the step, its collectives took {e['own_collectives_ms_least_rank']:.1f} ms on"
+                         " the rank that waited least for its peers")
     return "\n".join(lines)
 
 
@@ -478,8 +510,9 @@ def main() -> None:
                 continue
             row["repeat"] = repeat
             runs.append(row)
-            own = (f", own code {1e3 * max(row['own_s']):.1f} ms + collectives {1e3 * min(row['own_comm_s']):.1f}"
-                   f"-{1e3 * max(row['own_comm_s']):.1f} ms" if "own_s" in row else "")
+            own = (f", own code {1e3 * max(row['own_s']):.1f} ms + {row['own_collectives']} collectives x"
+                   f" {1e3 * row['collective_latency_s']:.2f} ms (in the step {1e3 * min(row['own_comm_s']):.1f}"
+                   f"-{1e3 * max(row['own_comm_s']):.1f} ms)" if "own_s" in row else "")
             print(f"  [{repeat}] {config:>14}: {row['step_s']:.3f} s/step, CPU {row['cpu_s']:.3f} s/step{own}"
                   f" (load {row['load_at_start']:.1f}; {time.time() - start:.0f} s)", flush=True)
     summary = summarize(runs, args)
