@@ -29,6 +29,7 @@ from lightning_ulysses.models import (
     moe,
     refusals,
     sequence_classification,
+    vision_language,
 )
 from lightning_ulysses.parallel.attention import (
     ModuleSelector,
@@ -184,8 +185,11 @@ class PreparedModels:
         targets += [(m, form_check.whole_litgpt_call, form_check.sharded_own_call) for m in self.litgpt]
         rounds = [(targets, probe)]
         if context.shard_info.positions_filled and self.hf_models:  # the batch has no positions: as one device runs it
-            rounds.append(([(m, form_check.whole_hf_call_numbering_itself, form_check.sharded_hf_call)
-                            for m, _, _ in targets[:len(self.hf_models)]], form_check.contiguous_probe(probe)))
+            numbering = [(m, form_check.whole_hf_call_numbering_itself, form_check.sharded_hf_call)
+                         for m, _, _ in targets[:len(self.hf_models)]
+                         if not vision_language.is_vision_language_model(m)]  # their positions: vision path
+            if numbering:
+                rounds.append((numbering, form_check.contiguous_probe(probe)))
         form_check.check_model_form(rounds, context, device, lambda: self.plain(context))
         return True
 
