@@ -18,6 +18,7 @@ from lightning_ulysses.models.generation import GenerationRendezvousError
 from lightning_ulysses.parallel.attention import UlyssesAttention, ulysses_attention
 from lightning_ulysses.parallel.layout import SequenceParallelLayout
 from lightning_ulysses.parallel.outputs import gather_sequence
+from lightning_ulysses.profiling.tensor_memory import StepMemory, TensorMemoryMonitor, TensorMemoryTracker
 from lightning_ulysses.strategy import UlyssesDeepSpeedStrategy
 from lightning_ulysses.training.agreement import SPLossMismatchError, SPPeerMismatchError
 from lightning_ulysses.training.callbacks import SequenceParallelThroughputMonitor, StepProgressBar
@@ -35,7 +36,10 @@ __all__ = [
     "SequenceParallelLayout",
     "SequenceParallelThroughputMonitor",
     "SequenceShardingCollate",
+    "StepMemory",
     "StepProgressBar",
+    "TensorMemoryMonitor",
+    "TensorMemoryTracker",
     "TokenWeightedLoss",
     "TokenWeightedPerplexity",
     "UlyssesAttention",

@@ -17,7 +17,7 @@ LAYERS = [
     {"data"},
     {"training"},
     {"models"},
-    {"checkpoint", "evaluation"},
+    {"checkpoint", "evaluation", "profiling"},
     {"drift"},
     {"front_end"},
     {"strategy", "fabric", "__init__"},

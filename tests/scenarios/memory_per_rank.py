@@ -1,0 +1,44 @@
+"""What one rank keeps during a training step, counted by live tensor bytes (TensorMemoryMonitor), for the
+issue model's shape (a Llama with 8 heads and a small vocabulary, where no logits hide the rest)."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningModule
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lightning_ulysses import TensorMemoryMonitor, UlyssesDeepSpeedStrategy
+from tests.support.training import make_trainer
+
+
+def run(payload: dict) -> dict:
+    sp, seq_len, hidden = payload["sp"], payload["seq_len"], payload["hidden"]
+    losses: list[float] = []
+
+    class Module(LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=payload["vocab"], hidden_size=hidden, intermediate_size=4 * hidden,
+                num_hidden_layers=payload["layers"], num_attention_heads=8, num_key_value_heads=8,
+                max_position_embeddings=seq_len, attn_implementation="sdpa", pad_token_id=0))
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(**batch).loss
+            losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(1, payload["vocab"], (payload["steps"], seq_len), generator=g)
+    data = [{"input_ids": r, "labels": r.clone()} for r in rows]
+    monitor = TensorMemoryMonitor()
+    strategy = UlyssesDeepSpeedStrategy(sp_size=sp, stage=payload["stage"], reduce_bucket_size=payload["bucket"],
+                                        allgather_bucket_size=payload["bucket"])
+    make_trainer(strategy, payload["steps"], callbacks=[monitor]).fit(
+        Module(), torch.utils.data.DataLoader(data, batch_size=1))
+    last = monitor.steps[-1]
+    return {"peak": last.peak_bytes, "by_layer": last.by_layer, "by_kind": last.by_kind, "losses": losses}
