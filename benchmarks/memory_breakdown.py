@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
 import tempfile
@@ -81,10 +82,16 @@ def worker(args) -> dict:
             "rss_growth": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss["base"]}
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_one(args, sp: int, seq_len: int, vocab: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={sp}", "--master_port",
-               str(29700 + sp), __file__, "--worker", "--sp", str(sp), "--lengths", str(seq_len), "--vocab",
+               str(_free_port()), __file__, "--worker", "--sp", str(sp), "--lengths", str(seq_len), "--vocab",
                str(vocab), "--result-dir", tmp, "--steps", str(args.steps), "--hidden", str(args.hidden),
                "--layers", str(args.layers), "--heads", str(args.heads),
                "--bucket", str(args.bucket)]
