@@ -61,8 +61,8 @@ def complete_gradient_factors(runner: StepRunner, config: Mapping[str, Any], lay
     """The step context's gradient factors and ZeRO-3 facts from the final DeepSpeed config. ``accumulation``: how
     many times the loss is divided by the accumulation count besides DeepSpeed's own division (see
     :class:`~lightning_ulysses.training.gradient_factor.GradientFactors`)."""
-    runner.context.gradients = GradientFactors.for_config(config, layout.sp_size, layout.dp_size, accumulation)
-    runner.context.zero_stage_3 = zero_stage_3
+    runner.complete_run_facts(GradientFactors.for_config(config, layout.sp_size, layout.dp_size, accumulation),
+                              zero_stage_3)
     runner.agree_on_tile_counts = tiles_follow_length and zero_stage_3 and layout.dp_size > 1
 
 

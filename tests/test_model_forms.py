@@ -256,8 +256,7 @@ def test_rotary_of_every_family_sees_the_whole_batchs_largest_position(family, k
     x = torch.zeros(1, 1, 16)
     positions = torch.arange(32)[None]  # the whole row: past the 16 positions the short regime covers
     expected = whole_module(x, positions)
-    context = StepContext(sp_group=None, ulysses_group=None, ring_group=None, in_step=True)
-    context.shard_info = ShardInfo(32)
+    context = StepContext(sp_group=None, ulysses_group=None, ring_group=None, in_step=True, shard_info=ShardInfo(32))
     context.shard_info.max_position = 31
     wrapped = wrap_length_dependent_rotaries(sharded_module, context)
     try:
@@ -317,8 +316,7 @@ def test_rope_per_layer_type_is_recognised_and_whole_for_its_length_dependent_la
                                                "sliding_attention": _rope_parameters("default", 16)})
     whole_module, sharded_module = Gemma3RotaryEmbedding(config), Gemma3RotaryEmbedding(config)
     assert is_length_dependent_rotary(sharded_module)
-    context = StepContext(sp_group=None, ulysses_group=None, ring_group=None, in_step=True)
-    context.shard_info = ShardInfo(32)
+    context = StepContext(sp_group=None, ulysses_group=None, ring_group=None, in_step=True, shard_info=ShardInfo(32))
     context.shard_info.max_position = 31
     x, positions = torch.zeros(1, 1, 16), torch.arange(32)[None]
     wrapped = wrap_length_dependent_rotaries(sharded_module, context)

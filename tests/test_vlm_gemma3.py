@@ -120,11 +120,11 @@ def one_process_group():
             dist.destroy_process_group()
 
 
-def _context(group, info, ring_size: int = 1):
+def _context(group, info, ring_size: int = 1, batch_tensors=None):
     from lightning_ulysses.training.step_context import StepContext
 
     return StepContext(sp_group=group, ulysses_group=group, ring_group=group, ring_size=ring_size, shard_info=info,
-                       in_step=True)
+                       in_step=True, step_batch_tensors=batch_tensors or {})
 
 
 def test_the_prepared_model_equals_its_own_forward_with_image_blocks(one_process_group):
@@ -151,8 +151,8 @@ def test_the_prepared_model_equals_its_own_forward_with_image_blocks(one_process
         for batch in batches():
             shard = shard_batch(batch, 1, 0)
             info = shard.pop("_ulysses")
-            context = _context(one_process_group, info)
-            context.step_batch_tensors = {key: shard.get(key) for key in ("position_ids", "attention_mask")}
+            context = _context(one_process_group, info, batch_tensors=
+                               {key: shard.get(key) for key in ("position_ids", "attention_mask")})
             prepare_model(model, context)
             inputs = {k: v for k, v in shard.items() if k not in ("labels", "shift_labels")}
             with torch.no_grad():

@@ -79,10 +79,10 @@ def install_backbone_call_completion(model: nn.Module, backbone: nn.Module, cont
         return
 
     def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        context.inside_prepared_model += 1
+        context.record.enter_prepared_model()
 
     def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        context.inside_prepared_model -= 1
+        context.record.leave_prepared_model()
 
     def complete(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
         if context.inside_prepared_model > 0:
@@ -254,7 +254,7 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
     counted = shard.global_index[None, :] < shard.seq_len  # [1, s]: not the padding to the SP multiple
     if given_mask is not None and shard.attention_mask is not None:
         counted = counted & shard.attention_mask[:rows].bool()
-    context.router_token_mask = counted.expand(rows, length)
+    context.record.record_router_token_mask(counted.expand(rows, length))
     masked_lm = getattr(model, "loss_type", None) == "ForMaskedLM"
     if masked_lm and named.get("labels") is not None and _same_tensor(named.get("shift_labels"),
                                                                       batch_tensors.get("shift_labels")):
@@ -347,7 +347,7 @@ def _check_length(name: str, tokens: torch.Tensor, shard: ShardInfo) -> tuple[in
 def _positions(name: str, given: Any, rows: int, shard: ShardInfo, context: StepContext,
                device: torch.device) -> torch.Tensor:
     """The shard's global positions ``[rows, s]`` on ``device``; ``given`` positions must equal them."""
-    expected = _device_positions(shard, context, device)  # [B, s]
+    expected = context.record.device_positions(shard, device)  # [B, s]
     B = expected.shape[0]
     if rows != B:
         if not bool((expected == expected[:1]).all()):
@@ -366,15 +366,6 @@ def _positions(name: str, given: Any, rows: int, shard: ShardInfo, context: Step
             " (the strategy fills them in) or pass `batch[\"position_ids\"]`."
         )
     return given
-
-
-def _device_positions(shard: ShardInfo, context: StepContext, device: torch.device) -> torch.Tensor:
-    cache = context.device_positions
-    key = (id(shard), str(device))
-    if key not in cache or cache[key][0] is not shard:  # the shard is held, so its id is not reused while cached
-        cache.clear()
-        cache[key] = (shard, shard.position_ids.to(device))  # type: ignore[union-attr]
-    return cache[key][1]
 
 
 def _check_attention_mask(name: str, mask: Any, rows: int, shard: ShardInfo) -> None:

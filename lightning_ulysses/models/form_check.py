@@ -48,7 +48,7 @@ from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.models import position_numbering
 from lightning_ulysses.parallel.geometry import SequenceGeometry
-from lightning_ulysses.training.step_context import StepContext
+from lightning_ulysses.training.step_context import StepContext, StepFacts
 
 PROBE_TOKENS_PER_BLOCK = 4
 MAX_PROBE_TOKENS = 512
@@ -354,8 +354,8 @@ def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.
     findings: list[str] = []
     n, length = len(probe.index), probe.ids.shape[1]
     local_ids = probe.ids[:, probe.index]  # [1, n]: this rank's probe shard
-    saved = (context.shard_info, context.tile_shard_len, context.in_step, context.step_batch_tensors,
-             context.router_token_mask)
+    probe_facts = StepFacts(shard_info=probe.shard, in_step=True)  # the probe's own: no batch tensors, local tiles
+    saved_router_mask = context.router_token_mask
     with quiet_and_repeatable([t[0] for t in targets], device) as snapshot, \
             _compat.zero3_forward_discovery([t[0] for t in targets]):
         for model, whole_call, sharded_call in targets:
@@ -379,14 +379,12 @@ def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.
                 whole_outputs.close()
                 snapshot.restore()  # the sharded run starts from the same state (dynamic NTK remembers lengths)
             sharded_outputs = ModuleOutputs(model) if locate else _NoRecording()
-            context.shard_info, context.tile_shard_len, context.in_step = probe.shard, None, True
-            context.step_batch_tensors = {}
             try:
-                sharded = first_tensor(sharded_call(model, local_ids))
+                with context.facts_for(probe_facts):
+                    sharded = first_tensor(sharded_call(model, local_ids))
             finally:
                 sharded_outputs.close()
-                (context.shard_info, context.tile_shard_len, context.in_step, context.step_batch_tensors,
-                 context.router_token_mask) = saved
+                context.record.record_router_token_mask(saved_router_mask)
                 snapshot.restore()
             if whole is None or sharded is None:
                 continue

@@ -212,11 +212,10 @@ def plain_mode(model: nn.Module, context: StepContext) -> Iterator[None]:
     _compat.set_attention_implementation(config, saved.attn_implementation)
     if saved.use_cache is not None:
         config.use_cache = saved.use_cache
-    context.plain = True
     try:
-        yield
+        with context.plain_calls():
+            yield
     finally:
-        context.plain = False
         _compat.set_attention_implementation(config, prepared_impl)
         vision_language.keep_vision_attention(model, saved.attn_implementation)
         if prepared_cache is not None:

@@ -400,7 +400,7 @@ def padded_anywhere(context: StepContext, shard: Any, device: torch.device) -> b
     flag = torch.tensor([int(local)], dtype=torch.int32, device=device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(context.sp_group) > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=context.sp_group)  # [1]: padding on any SP rank?
-    context.batch_padding = (shard, bool(flag.item()))
+    context.record.record_batch_padding(shard, bool(flag.item()))
     return context.batch_padding[1]
 
 

@@ -201,7 +201,7 @@ def _memory_forward(model: nn.Module, features: MemoryFeatures, context: Optiona
             if torch.is_grad_enabled() or context is None:
                 local_sum = tiled_cross_entropy_sum(hidden, lm_head, shift_labels, chunks)
             else:  # evaluation: per-token losses chunk by chunk (no backward, so no checkpointing)
-                context.token_stats = tiled_token_statistics(hidden, lm_head, shift_labels, chunks)
+                context.record.record_token_stats(tiled_token_statistics(hidden, lm_head, shift_labels, chunks))
                 local_sum = context.token_stats[0].sum()
             return CausalLMOutputWithPast(loss=step_loss_from_sum(context, local_sum, shift_labels), logits=None)
 

@@ -199,9 +199,6 @@ class PreparedModels:
         with ExitStack() as stack:
             for model in self.hf_models:
                 stack.enter_context(hf.plain_mode(model, context))
-            context.plain = True
-            try:
-                yield
-            finally:
-                context.plain = False
+            stack.enter_context(context.plain_calls())
+            yield
 

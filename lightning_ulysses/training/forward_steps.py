@@ -77,12 +77,12 @@ class ForwardSteps:
             self.unused.remove(entry)
             self.runner.begin_batch("train", entry.shard, entry.batch)
             self.current = entry
-        context.in_step = True
+        self.runner.set_in_step(True)
         self._entered.append(True)
 
     def after_forward(self, module: Any, args: tuple, output: Any) -> None:
         if self._entered and self._entered.pop():
-            self.runner.context.in_step = False
+            self.runner.set_in_step(False)
 
     def _entry_for(self, tokens: Optional[torch.Tensor]) -> RecordedBatch:
         if tokens is None:

@@ -178,7 +178,7 @@ def step_cross_entropy(
         weights = broadcast_token_weights(weight, shift_labels) * (shift_labels != ignore_index).to(losses.device)
         return step_token_mean(context, losses, weights)
     if not torch.is_grad_enabled():  # evaluation: keep the per-token losses for position / retrieval metrics
-        context.token_stats = token_statistics(logits, shift_labels, ignore_index)
+        context.record.record_token_stats(token_statistics(logits, shift_labels, ignore_index))
         local_sum = context.token_stats[0].sum()
     else:
         local_sum = cross_entropy_sum(logits, shift_labels, ignore_index)

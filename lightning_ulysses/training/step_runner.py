@@ -11,6 +11,8 @@ step; the strategy's public step API (``strategy.cross_entropy``, ``token_mean``
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
@@ -32,6 +34,7 @@ from lightning_ulysses.training.loss import (
 )
 from lightning_ulysses.training import loss_graph
 from lightning_ulysses.training import sequence_reductions as reductions
+from lightning_ulysses.training.gradient_factor import GradientFactors
 from lightning_ulysses.training.step_context import StepContext
 
 if TYPE_CHECKING:  # the models layer sits above this one: only its type is named here
@@ -88,6 +91,14 @@ class StepRunner:
         """A Trainer stage starts (fit, validate, test, predict): the model-form check runs before its first step."""
         self.form_check_pending = self.check_model_form
 
+    def complete_run_facts(self, gradients: GradientFactors, zero_stage_3: bool) -> None:
+        """The stage's gradient factors and ZeRO-3 flag, once the DeepSpeed config is final."""
+        self.context.set_run_facts(replace(self.context.run, gradients=gradients, zero_stage_3=zero_stage_3))
+
+    def set_in_step(self, in_step: bool) -> None:
+        """Model calls get the step's shard facts (``True``) or run outside a step (Fabric's forward hooks)."""
+        self.context.set_step_facts(replace(self.context.facts, in_step=in_step))
+
     # ------------------------------------------------------------------------------------------ around a step
     @contextmanager
     def step(self, kind: str, batch: Any) -> Iterator[None]:
@@ -107,12 +118,11 @@ class StepRunner:
                 " `strategy.process_dataloader`; iterating a loader yourself inside a step is not supported)."
             )
         self.begin_batch(kind, shard, batch)
-        context = self.context
-        context.in_step = True
+        self.set_in_step(True)
         try:
             yield
         finally:
-            context.in_step = False
+            self.set_in_step(False)
             self.shift_labels = None
 
     def begin_batch(self, kind: str, shard: ShardInfo, batch: Any) -> None:
@@ -123,12 +133,10 @@ class StepRunner:
         self._begin(kind, shard)
         context = self.context
         self.shift_labels = batch.get("shift_labels") if isinstance(batch, dict) else None
-        context.step_batch_tensors = ({key: batch.get(key) for key in ("position_ids", "attention_mask",
-                                                                        "shift_labels", "labels")}
-                                      if isinstance(batch, dict) else {})
-        context.inside_prepared_model = 0  # (a model call that raised may have left it counted)
-        if kind == "train":
-            context.incoming_gradients = []
+        own = ({key: batch.get(key) for key in ("position_ids", "attention_mask", "shift_labels", "labels")}
+               if isinstance(batch, dict) else {})
+        context.set_step_facts(replace(context.facts, step_batch_tensors=MappingProxyType(own)))
+        context.record.begin_batch(train=kind == "train")
         if self.form_check_pending:  # before the first step of this stage computes anything
             self.form_check_pending = False
             if self.models.check_form(batch, context, self.layout, self.device):
@@ -146,9 +154,9 @@ class StepRunner:
         self._enter_shard(shard)
 
     def _enter_shard(self, shard: ShardInfo) -> None:
-        self.context.shard_info = shard
-        self.context.tile_shard_len = self._agreed_tile_shard_len(shard)
-        self.context.token_stats = None
+        self.context.set_step_facts(replace(self.context.facts, shard_info=shard,
+                                            tile_shard_len=self._agreed_tile_shard_len(shard)))
+        self.context.record.record_token_stats(None)
 
     def _agreed_tile_shard_len(self, shard: ShardInfo) -> Optional[int]:
         """With tile counts that follow the shard length under ZeRO-3 and several replicas, the step's longest shard
@@ -184,7 +192,7 @@ class StepRunner:
                 raise ValueError(zero3_parameters_outside_forward_error()) from err
             raise
         finally:
-            context.incoming_gradients = []  # for the next forward pass
+            context.record.new_gradient_list()  # for the next forward pass
         if self.agreement is not None:
             self.agreement.verify_loss(value, received, where=where, shard_local=shard_local)
 
@@ -326,14 +334,15 @@ class StepRunner:
         shard = shard_batch(batch, layout.sp_size, layout.sp_rank, pad_token_id, ring_size=layout.ring_size)
         info = shard.pop(SHARD_INFO_KEY)
         context = self.context
-        previous = context.shard_info, context.tile_shard_len, context.token_stats, context.in_step
-        self._enter_shard(info)
-        context.in_step = True
+        previous_stats = context.token_stats
+        facts = replace(context.facts, shard_info=info, tile_shard_len=self._agreed_tile_shard_len(info), in_step=True)
+        context.record.record_token_stats(None)
         try:
-            shard = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
-            model(**shard)
-            losses, correct = self.token_stats()
+            with context.facts_for(facts):
+                shard = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
+                model(**shard)
+                losses, correct = self.token_stats()
         finally:
-            context.shard_info, context.tile_shard_len, context.token_stats, context.in_step = previous
+            context.record.record_token_stats(previous_stats)
         return {"loss": losses, "correct": correct, "shift_labels": shard["shift_labels"],
                 "position_ids": shard["position_ids"]}

@@ -191,11 +191,11 @@ def sharded_layer_run(mixer: nn.Module, hidden: int, seq_len: int, documents: An
     mixer.zero_grad(set_to_none=True)
 
     world = dist.group.WORLD
-    context = StepContext(sp_group=world, ulysses_group=world, ring_group=world)
     cu_seqlens = None
     if documents is not None:
         cu_seqlens = torch.tensor([0, *torch.tensor(list(documents)).cumsum(0).tolist()], dtype=torch.int32)
-    context.shard_info = ShardInfo(seq_len=seq_len, cu_seqlens=cu_seqlens)
+    context = StepContext(sp_group=world, ulysses_group=world, ring_group=world,
+                          shard_info=ShardInfo(seq_len=seq_len, cu_seqlens=cu_seqlens))
     wrap_sequence_mixer(mixer, context)
     parameters = {p.untyped_storage().data_ptr() for p in mixer.parameters()}
     saved: dict[int, tuple[int, tuple]] = {}
