@@ -44,27 +44,40 @@ def test_dpo_example_trains_as_one_device(tmp_path, stage, loss):
     args = parse_args(argv)
     pairs = preference_pairs(args)
     order = lightning_order(len(pairs), args.seed)
-    policy, ref = build_policy(args.seed), build_policy(args.seed)
-    optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
-    expected = []
-    for step in range(args.steps):
-        batch = collate([pairs[i] for i in order[step * args.batch_pairs:(step + 1) * args.batch_pairs]])
-        targets = batch["labels"][:, 1:]
-        mask = targets != -100
 
-        def sequence_logps(model):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-            return (token_logps(logits, targets) * mask).sum(1)
+    def one_device(dtype: torch.dtype) -> list[float]:
+        policy, ref = build_policy(args.seed).to(dtype), build_policy(args.seed).to(dtype)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
+        losses = []
+        for step in range(args.steps):
+            batch = collate([pairs[i] for i in order[step * args.batch_pairs:(step + 1) * args.batch_pairs]])
+            targets = batch["labels"][:, 1:]
+            mask = targets != -100
 
-        with torch.no_grad():
-            reference = sequence_logps(ref)
-        chosen, rejected = (sequence_logps(policy) - reference).chunk(2)
-        value = dpo_loss(chosen, rejected, args.beta, args.loss)
-        optimizer.zero_grad()
-        value.backward()
-        optimizer.step()
-        expected.append(float(value.detach()))
-    assert len(got) == 4 and _close(got, expected) <= 1e-5, (got, expected)
+            def sequence_logps(model):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+                logps = (token_logps(logits, targets) if dtype == torch.float32  # the example's own, as it runs
+                         else torch.gather(logits.log_softmax(-1), -1, targets.clamp(min=0)[..., None]).squeeze(-1))
+                return (logps * mask).sum(1)
+
+            with torch.no_grad():
+                reference = sequence_logps(ref)
+            chosen, rejected = (sequence_logps(policy) - reference).chunk(2)
+            value = dpo_loss(chosen, rejected, args.beta, args.loss)
+            optimizer.zero_grad()
+            value.backward()
+            optimizer.step()
+            losses.append(float(value.detach()))
+        return losses
+
+    # IPO squares a log-ratio offset by 1/(2 beta): its gradients are large, and SGD carries fp32's rounding into the
+    # next steps' losses, so two fp32 runs of the same training (one device against SP) differ by up to 2e-5 on this
+    # machine. Both are compared with the float64 run: SP's error is at most twice one device's in fp32 (measured:
+    # 1.2e-5 against 1.7e-5 for IPO at ZeRO 3), and within 1e-4 of the fp32 one-device run.
+    expected, exact = one_device(torch.float32), one_device(torch.float64)
+    sp_error, fp32_error = _close(got, exact), _close(expected, exact)
+    assert len(got) == 4 and sp_error <= 2 * fp32_error + 1e-6, (got, expected, exact, sp_error, fp32_error)
+    assert _close(got, expected) <= 1e-4, (got, expected)
     assert got[-1] < got[0]
 
 
