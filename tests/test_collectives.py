@@ -30,17 +30,17 @@ def test_backward_all_to_all_per_layer(counts, layers):
 
 @pytest.fixture(scope="module")
 def step_counts():
-    results = launch(2, "collectives:step_overhead", {"ring_sizes": [1, 2]})
+    results = launch(2, "collectives:step_overhead", {"ring_sizes": [1, 2], "extra_forwards": [0, 2]})
     return results
 
 
 # Per rank (ring ranks hold 1 or 2 contiguous runs of the row: the halo plan reads one more value on rank 0). Host
 # syncs: the collate step's reads of the batch (largest position, packing, the halo plan's run starts on CPU), the
-# shard positions' check, the loss check's reads. Entries: Lightning's calls into the strategy (its hooks, 7 reads of
+# loss check's reads; none per model call (the batch's own positions and mask are recognised by their memory). Entries: Lightning's calls into the strategy (its hooks, 7 reads of
 # handles_gradient_accumulation), the model's call completion (pre-hook, backbone hooks), the loss and its
 # gradient-factor nodes (the attention function counts as the SP attention, not here).
-EXPECTED_HOST_SYNCS = {1: [{"_local_scalar_dense": 8, "tolist": 7}] * 2,
-                       2: [{"_local_scalar_dense": 10, "tolist": 7}, {"_local_scalar_dense": 9, "tolist": 7}]}
+EXPECTED_HOST_SYNCS = {1: [{"_local_scalar_dense": 7, "tolist": 7}] * 2,
+                       2: [{"_local_scalar_dense": 9, "tolist": 7}, {"_local_scalar_dense": 8, "tolist": 7}]}
 EXPECTED_ENTRIES = {"SequenceParallelLossFunction.__call__": 1, "StepState.__iter__": 1,
                     "UlyssesDeepSpeedStrategy.backward": 1, "UlyssesDeepSpeedStrategy.handles_gradient_accumulation": 7,
                     "UlyssesDeepSpeedStrategy.optimizer_step": 1, "UlyssesDeepSpeedStrategy.training_step": 1,
@@ -62,6 +62,17 @@ def test_per_step_overhead_counts(step_counts):
             assert c["own_collectives"] == {"allreduce_": 3}, (ring_size, rank, c)
             assert c["own_host_syncs"] == EXPECTED_HOST_SYNCS[ring_size][rank], (ring_size, rank, c)
             assert c["own_entries"] == EXPECTED_ENTRIES, (ring_size, rank, c)
+
+
+def test_host_syncs_and_collectives_do_not_grow_with_forward_calls(step_counts):
+    """Two more forward passes in the step (without labels, given ``**batch``'s own positions and mask): the strategy's
+    host syncs and collectives per step stay those of one forward (no per-call check reads the device)."""
+    for ring_size in (1, 2):
+        for rank, result in enumerate(step_counts):
+            one, three = result[ring_size], result[(ring_size, 2)]
+            assert three["own_host_syncs"] == one["own_host_syncs"], (ring_size, rank, one, three)
+            assert three["own_collectives"] == one["own_collectives"], (ring_size, rank, one, three)
+            assert three["own_entries"]["_complete_hf_call"] == 3  # the three calls were completed
 
 
 def test_sp_attention_collectives_per_step(step_counts):

@@ -183,13 +183,36 @@ def outside_step_error(name: str) -> str:
     )
 
 
-def _same_tensor(given: Any, batch: Any) -> bool:
-    """``given`` is the step batch's tensor (the same object, or equal values: DeepSpeed's ZeRO-3 engine hands the
-    step copies of the batch's tensors)."""
+def same_data(given: Any, batch: Any) -> bool:
+    """Whether ``given`` is the step batch's tensor by what it is: a tensor over the same memory with the same layout.
+    DeepSpeed's ZeRO-3 hooks hand each module ``detach()``ed copies of its inputs (new objects over the batch's
+    memory), as wrappers may, so object identity would take them for other tensors. Decided on the host, without
+    reading the device. A copy with its own memory (``clone()``, a dtype change) is not the batch's tensor."""
     if given is batch:
+        return True
+    return (isinstance(given, torch.Tensor) and isinstance(batch, torch.Tensor) and given.device == batch.device
+            and given.dtype == batch.dtype and given.shape == batch.shape and given.stride() == batch.stride()
+            and given.storage_offset() == batch.storage_offset()
+            and given.untyped_storage().data_ptr() == batch.untyped_storage().data_ptr())
+
+
+def _same_tensor(given: Any, batch: Any) -> bool:
+    """``given`` holds the step batch's tensor's values: its memory (:func:`same_data`), or a copy of it."""
+    if same_data(given, batch):
         return True
     return (isinstance(given, torch.Tensor) and isinstance(batch, torch.Tensor) and given.shape == batch.shape
             and bool(torch.equal(given, batch.to(given.device))))
+
+
+def own_numbering_copy_error(name: str) -> str:
+    return (
+        f"{name} numbers its positions itself when given none (RoBERTa-style embeddings: from padding_idx + 1), and"
+        " this batch had no `position_ids` (the strategy's collate step filled in the shard's 0..S-1). The call was"
+        " given `position_ids` that are not the batch's tensor (a copy, or positions computed in the step), so the"
+        " strategy cannot tell whether one device would have numbered them itself (no `position_ids` in its batch)"
+        " or used yours. Leave `position_ids` out of the call (the model numbers them as on one device) or pass"
+        " `batch[\"position_ids\"]` itself."
+    )
 
 
 def num_items_error(name: str) -> str:
@@ -225,20 +248,28 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
     rows, length = _check_length(name, tokens, shard)  # shard shapes are equal on every SP rank
     given_positions, given_mask = named.get("position_ids"), named.pop("attention_mask", None)
     batch_tensors = context.step_batch_tensors
-    # The batch's own tensors are right by construction; anything else is compared with the shard's values, which
-    # can fail on one rank and not on another (rank 0's positions start at 0 too), so the SP group agrees on the
+    # The batch's own tensors (recognised by their memory, not by object: ZeRO-3 hands modules detached copies) are
+    # right by construction and need no check, so no device read. Anything else is compared with the shard's values,
+    # which can fail on one rank and not on another (rank 0's positions start at 0 too), so the SP group agrees on the
     # verdict before anyone raises (one all-reduce, only on such calls).
-    trusted = (given_positions is None or given_positions is batch_tensors.get("position_ids")) and (
-        given_mask is None or given_mask is batch_tensors.get("attention_mask"))
+    whole_rows = rows == shard.shard_shape[0]
+    own_positions = given_positions is not None and whole_rows and same_data(given_positions,
+                                                                              batch_tensors.get("position_ids"))
+    own_mask = given_mask is not None and whole_rows and same_data(given_mask, batch_tensors.get("attention_mask"))
+    trusted = (given_positions is None or own_positions) and (given_mask is None or own_mask)
     problem = None
+    numbering = position_numbering.own_numbering_padding_index(model)
     try:
-        named["position_ids"] = _positions(name, given_positions, rows, shard, context, tokens.device)
-        filled = given_positions is None or (shard.positions_filled
-                                             and given_positions is batch_tensors.get("position_ids"))
+        named["position_ids"] = (given_positions if own_positions
+                                 else _positions(name, given_positions, rows, shard, context, tokens.device))
+        filled = given_positions is None or (shard.positions_filled and own_positions)
+        if shard.positions_filled and not filled and numbering is not None:
+            raise ValueError(own_numbering_copy_error(name))
         if filled:  # not the user's positions: numbered as the model numbers its own (RoBERTa-style embeddings)
             named["position_ids"] = position_numbering.numbered_as_the_model_does(
-                named["position_ids"], named.get("input_ids"), position_numbering.own_numbering_padding_index(model))
-        _check_attention_mask(name, given_mask, rows, shard)
+                named["position_ids"], named.get("input_ids"), numbering)
+        if not own_mask:
+            _check_attention_mask(name, given_mask, rows, shard)
     except ValueError as err:
         problem = err
     if not trusted:
@@ -261,7 +292,7 @@ def _complete_hf_call(model: nn.Module, args: tuple, kwargs: dict, context: Step
         named.pop("shift_labels", None)  # the collate step's next-token targets mean nothing to a masked LM
     if getattr(model, "loss_type", None) == "ForSequenceClassification":
         return (), named  # its labels are per row: its pooling and loss run over the whole sequence
-    if (not masked_lm and named.get("labels") is not None and named["labels"] is not batch_tensors.get("labels")
+    if (not masked_lm and named.get("labels") is not None and not same_data(named["labels"], batch_tensors.get("labels"))
             and _same_tensor(named.get("shift_labels"), batch_tensors.get("shift_labels"))):
         # labels edited in the step (`batch["labels"] = batch["labels"].masked_fill(...)`, then `**batch`): the
         # collate step's shift_labels were built from the loader's labels, so they are built again from these (the

@@ -61,12 +61,27 @@ def step_overhead(payload: dict) -> dict:
                 self.tracer.stop()
                 self.counts = bench.per_step_counts(self.tracer, self.ops.counts)
 
+    class ExtraForwards(CountingCausalLM):
+        """Before its loss, the step runs the model ``extra`` more times without labels (a reference or value model's
+        forward, hidden states for an extra head), given the batch's own positions and mask as ``**batch`` gives
+        them."""
+
+        extra = 0
+
+        def training_step(self, batch, batch_idx):
+            inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+            for _ in range(self.extra):
+                self.model(**inputs)
+            return super().training_step(batch, batch_idx)
+
     out = {}
     for ring_size in payload["ring_sizes"]:
-        seed_everything(SEED, verbose=False)
-        module = CountingCausalLM(tiny_llama_config(num_kv_heads=2, layers=2), dataset=TokenDataset(4, 32))
-        counter = CountStep()
-        strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=2, ring_size=ring_size)
-        make_trainer(strategy, max_steps=3, callbacks=[counter]).fit(module)
-        out[ring_size] = counter.counts
+        for extra in payload.get("extra_forwards", [0]):
+            seed_everything(SEED, verbose=False)
+            module = ExtraForwards(tiny_llama_config(num_kv_heads=2, layers=2), dataset=TokenDataset(4, 32))
+            module.extra = extra
+            counter = CountStep()
+            strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=2, ring_size=ring_size)
+            make_trainer(strategy, max_steps=3, callbacks=[counter]).fit(module)
+            out[ring_size if extra == 0 else (ring_size, extra)] = counter.counts
     return out
