@@ -22,7 +22,7 @@ LOSS_TOL = 1e-5
 UPDATE_TOL = 1e-4
 
 PARITY = [(name, stage) for name in OBJECTIVES for stage in (2, 3)]
-REFUSED = ["dpo_one_device_code", "simpo_one_device_code", "nan_everywhere", "row_weight_from_shard"]
+REFUSED = ["dpo_one_device_code", "simpo_one_device_code", "nan_everywhere", "row_weight_from_shard", "inf_everywhere"]
 
 
 class Holder(torch.nn.Module):
@@ -147,5 +147,6 @@ def test_one_device_code_is_refused_on_every_rank_before_a_weight_changes(runs, 
         assert "sequence_count" in runs[0][name]["message"]
     if name == "dpo_one_device_code":  # its value is log 2 on every rank: only the graph shows it is shard-local
         assert "through local operations only" in runs[0][name]["message"]
-    if name == "nan_everywhere":
+    if name in ("nan_everywhere", "inf_everywhere"):
         assert "never counted as agreement" in runs[0][name]["message"]
+        assert ("is inf on every rank" if name == "inf_everywhere" else "is nan on every rank") in runs[0][name]["message"]

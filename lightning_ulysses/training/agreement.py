@@ -74,6 +74,15 @@ def loss_mismatch_message(ranks: list[int], where: str, low: float, high: float)
 
 
 def shard_local_message(ranks: list[int], where: str, reached: Optional[str]) -> str:
+    if reached is not None and reached.startswith("torch.distributed.nn"):
+        return (
+            f"UlyssesDeepSpeedStrategy: the loss of the {where} reduces the model's sharded values with {reached}"
+            f" (the ranks {ranks} of one sequence-parallel group); no weight was changed. A collective counts as a"
+            " sequence-parallel reduction only over the SP group: over the world it also sums the rows of other"
+            " data-parallel replicas (DeepSpeed averages the gradients over those already), over a smaller group it"
+            " leaves part of each sequence out. Pass `group=strategy.sp_group`, or use the strategy's reductions."
+            + _SEQUENCE_API
+        )
     return (
         f"UlyssesDeepSpeedStrategy: the loss of the {where} depends on this rank's shard of the model's activations"
         f" through local operations only (its autograd graph reaches the model's sharded computation `{reached}`"
@@ -88,9 +97,10 @@ def shard_local_message(ranks: list[int], where: str, reached: Optional[str]) ->
 def non_finite_loss_message(ranks: list[int], where: str, value: str) -> str:
     return (
         f"UlyssesDeepSpeedStrategy: the loss of the {where} is {value} on every rank {ranks} of one sequence-parallel"
-        " group; no weight was changed (a non-finite loss is never counted as agreement). Under SP this is usually a"
-        " per-row mean over this rank's shard, in which some rows have no target tokens (0 / 0), e.g."
-        " `(logps * mask).sum(-1) / mask.sum(-1)`: take it over the whole sequence." + _SEQUENCE_API
+        " group; no weight was changed (a non-finite loss is never counted as agreement: DeepSpeed would apply its"
+        " finite gradients). Under SP a NaN is usually a per-row mean over this rank's shard, in which some rows"
+        " have no target tokens (0 / 0), e.g. `(logps * mask).sum(-1) / mask.sum(-1)`: take it over the whole"
+        " sequence; an inf, a log of zero or a division by a zero count in the loss code." + _SEQUENCE_API
     )
 
 
@@ -151,7 +161,9 @@ class SPAgreement:
         values = torch.tensor([_comparable(loss), float(len(gradients)), sum(gradients),
                                sum((i + 1) * g for i, g in enumerate(gradients)), float(shard_local is not None)],
                               dtype=torch.float64)
-        values = torch.nan_to_num(values, nan=NAN_SENTINEL)
+        # NaN becomes a sentinel (NaN compares unequal to itself); infinities stay infinities (nan_to_num's default
+        # would make +inf the largest float, a finite number every rank agrees on)
+        values = torch.nan_to_num(values, nan=NAN_SENTINEL, posinf=float("inf"), neginf=float("-inf"))
         both = torch.cat([values, -values]).to(self.device)  # [10]: MAX over the group gives max and -min of each
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         high, low = both[:5].tolist(), [-v for v in both[5:].tolist()]

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from lightning_ulysses.parallel import exchange, ring
 from lightning_ulysses.training import sequence_reductions
@@ -44,9 +45,9 @@ def _torch_distributed_nn_functions() -> list:
     return [getattr(dist_fn, name) for name in names if hasattr(dist_fn, name)]
 
 
+_COLLECTIVES: tuple[type, ...] = _backward_classes(_torch_distributed_nn_functions())
 SP_REDUCTIONS: tuple[type, ...] = _backward_classes(
-    [ValueWithGradientOf, sequence_reductions.SequenceSum, sequence_reductions.GatherSequence,
-     *_torch_distributed_nn_functions()])
+    [ValueWithGradientOf, sequence_reductions.SequenceSum, sequence_reductions.GatherSequence]) + _COLLECTIVES
 
 _SHARDED: list[type] = list(_backward_classes(
     [exchange._AllToAll, exchange._GatherSequence, exchange._ReduceScatterSequence, exchange._AllReduceSum,
@@ -62,9 +63,18 @@ def register_sharded_computation(function: type) -> None:
         _SHARDED.append(cls)
 
 
-def shard_local_path(loss: torch.Tensor, max_nodes: int = 200_000) -> Optional[str]:
+def _group_ranks(group: Optional[dist.ProcessGroup]) -> list[int]:
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def shard_local_path(loss: torch.Tensor, sp_ranks: Optional[list[int]] = None, max_nodes: int = 200_000
+                     ) -> Optional[str]:
     """The name of the first sharded computation of the model that ``loss``'s graph reaches without passing an SP
-    reduction, or ``None`` (every path from the loss to the model's activations passes one)."""
+    reduction, or ``None`` (every path from the loss to the model's activations passes one).
+
+    A ``torch.distributed.nn`` collective is an SP reduction only over the SP group (``sp_ranks``, its global ranks):
+    over any other group (the world at dp > 1 sums rows of other data-parallel replicas; a group of this rank alone
+    reduces nothing) it is named instead, as what the loss reached."""
     root = loss.grad_fn
     if root is None:
         return None
@@ -73,6 +83,12 @@ def shard_local_path(loss: torch.Tensor, max_nodes: int = 200_000) -> Optional[s
     stack = [root]
     while stack and len(seen) <= max_nodes:
         node = stack.pop()
+        if isinstance(node, _COLLECTIVES) and sp_ranks is not None:
+            ranks = _group_ranks(getattr(node, "group", None))
+            if ranks != list(sp_ranks):
+                return (f"torch.distributed.nn's {type(node).__name__.removesuffix('Backward').lstrip('_')} over the"
+                        f" ranks {ranks}, which are not this sequence-parallel group's {list(sp_ranks)}")
+            continue
         if isinstance(node, SP_REDUCTIONS):
             continue
         if isinstance(node, sharded) or type(node).__name__ in _SHARDED_NAMES:

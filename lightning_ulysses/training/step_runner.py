@@ -184,7 +184,8 @@ class StepRunner:
         self.backward_calls += 1
         received = context.incoming_gradients  # the SP losses of this step's forward record into this list
         value = loss.detach()
-        shard_local = loss_graph.shard_local_path(loss) if self.agreement is not None else None
+        shard_local = (loss_graph.shard_local_path(loss, self.agreement.group_ranks) if self.agreement is not None
+                       else None)
         try:
             run_backward(scale_gradient(loss, context.gradients.whole_loss))
         except RuntimeError as err:

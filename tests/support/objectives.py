@@ -270,6 +270,15 @@ def nan_everywhere(module, batch):
     return strategy.sequence_mean(logps, torch.zeros_like(mask, dtype=torch.bool)).mean()
 
 
+def inf_everywhere(module, batch):
+    """A proper sequence-level loss plus +inf: inf on every rank (as on one device), with finite gradients, which
+    DeepSpeed would apply. (The check once turned +inf into the largest float and took it for agreement.)"""
+    strategy = module.trainer.strategy
+    logits, targets = SequenceParallel(strategy).logits_and_targets(module.policy, batch)
+    logps, mask = token_logps(logits, targets)
+    return -strategy.sequence_mean(logps, mask).mean() + float("inf")
+
+
 def row_weight_from_shard(module, batch):
     """Per-sample weights from the shard's target counts (SFT averaged per sample, the one-device way)."""
     strategy = module.trainer.strategy
@@ -280,7 +289,8 @@ def row_weight_from_shard(module, batch):
 
 
 ONE_DEVICE_CODE = {"dpo_one_device_code": dpo_one_device_code, "simpo_one_device_code": simpo_one_device_code,
-                   "nan_everywhere": nan_everywhere, "row_weight_from_shard": row_weight_from_shard}
+                   "nan_everywhere": nan_everywhere, "row_weight_from_shard": row_weight_from_shard,
+                   "inf_everywhere": inf_everywhere}
 
 
 # ---------------------------------------------------------------------------------------------- data and models
