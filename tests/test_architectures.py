@@ -33,13 +33,26 @@ def test_the_matrix_is_wide():
 # (lightning_ulysses/models/cross_module_reads.py), or the ranks' all-gathers would differ and hang. RoBERTa numbers
 # its own positions: ZeRO-3's hooks hand the model detached copies of the batch's filled positions, which the call
 # completion recognises by their memory (by object identity it was silently wrong here: update 1.3 off).
-ZERO3 = ["llama4_text", "gpt_oss", "afmoe", "gemma4_text", "jetmoe", "dbrx", "roberta"]
+ZERO3 = ["llama4_text", "gpt_oss", "afmoe", "gemma4_text", "jetmoe", "dbrx", "roberta", "deepseek_v3_mla_heads"]
 
 
 @pytest.fixture(scope="module")
 def results_zero3():
     by_rank = launch(2, "architectures:run", {"names": ZERO3, "steps": STEPS, "lr": LR, "stage": 3}, timeout=900)
     return {name: [r[name] for r in by_rank] for name in ZERO3}
+
+
+@pytest.mark.multiprocess
+def test_value_heads_of_another_size_are_refused_with_ring_attention_naming_the_sizes():
+    """DeepSeek V3's real ratio (query/key heads 24 dims here, values 16; 192 and 128 in the released model) trains
+    exactly with Ulysses (the matrix, ZeRO 2 and 3); ring attention passes blocks of one head size: refused before a
+    weight changes, on every rank, naming both sizes."""
+    by_rank = launch(2, "architectures:run", {"names": ["deepseek_v3_mla_heads"], "steps": 1, "lr": LR,
+                                              "strategy": {"ring_size": 2}})
+    for rank in by_rank:
+        error = rank["deepseek_v3_mla_heads"]["error"]
+        assert error is not None and error.startswith("ValueError"), error
+        assert "value heads of 16 dims and query/key heads of 24" in error and "ring_size=1" in error
 
 
 @pytest.mark.parametrize("name", ZERO3)

@@ -264,6 +264,8 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         if not getattr(module, "is_causal", True):
             _refuse_unsupported_bidirectional(module, inner_name, context, query.device)
         if context.ring_size > 1:  # hybrid: q holds this ring rank's S/R tokens, attend over all S
+            if v.shape[-1] != q.shape[-1]:
+                raise ValueError(ring_head_sizes_error(type(module).__name__, q.shape[-1], v.shape[-1]))
             documents = None
             if shard is not None and shard.packed:  # [B, S]: the document of every global position
                 documents = document_ids(shard.cu_seqlens, q.shape[0], shard.padded_len, q.device)
@@ -287,6 +289,13 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
 
     ulysses_attention_forward.__name__ = f"ulysses_{inner_name}_forward"
     return ulysses_attention_forward
+
+
+def ring_head_sizes_error(name: str, qk_dim: int, v_dim: int) -> str:
+    return (f"{name} has value heads of {v_dim} dims and query/key heads of {qk_dim} (an MLA-style attention):"
+            " ring attention passes keys and values around the ring as blocks of one head size and does not take"
+            " them. Use Ulysses alone (ring_size=1; the heads must then split over sp_size), where such heads are"
+            " exact. No weight was changed.")
 
 
 def _masked_attention(inner: Callable, module: Any, kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:

@@ -102,11 +102,14 @@ def _expand_heads(block: torch.Tensor, groups: int, dtype: torch.dtype) -> torch
     return block.to(dtype) if groups == 1 else block.repeat_interleave(groups, dim=1).to(dtype)
 
 
-def block_kernel(q: torch.Tensor) -> str:
+def block_kernel(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> str:
     """The kernel ring attention runs per block for ``q``'s device and dtype: ``"cpu_flash"`` (torch's
     flash-attention-for-CPU op and its backward op), ``"cuda_efficient"`` (torch's memory-efficient attention op and
     its backward op; checked against the matmul kernel once per device and dtype, see :func:`kernel_agrees`), or
-    ``"matmul"`` (plain matmuls: float64 on CUDA, other devices, or where the fused op disagreed)."""
+    ``"matmul"`` (plain matmuls: float64 on CUDA, other devices, where the fused op disagreed, or value heads of
+    another size than the query/key heads (``v``), which the fused ops refuse)."""
+    if v is not None and v.shape[-1] != q.shape[-1]:
+        return "matmul"
     if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")):
         return "cpu_flash"

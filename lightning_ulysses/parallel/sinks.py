@@ -26,9 +26,9 @@ class _SinkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,  # type: ignore[override]
                 window: Optional[int], scale: float) -> torch.Tensor:
-        # q [B, h, S, D]; k, v [B, h, S, D] (KV heads already expanded to the query heads); sinks [h]
+        # q, k [B, h, S, D]; v [B, h, S, Dv] (KV heads already expanded to the query heads); sinks [h]
         S = q.shape[2]
-        kernel = block_kernel(q)
+        kernel = block_kernel(q, v)
         mask = None
         if window is not None and window < S:
             positions = torch.arange(S, device=q.device)
@@ -53,8 +53,9 @@ class _SinkAttention(torch.autograd.Function):
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: Optional[int],
                    scale: float) -> torch.Tensor:
-    """Causal attention with per-head sinks over this rank's heads: ``q [B, hq, S, D]``, ``k/v [B, hkv, S, D]``,
-    ``sinks [hq]`` -> ``[B, S, hq, D]`` (the layout transformers' attention functions return)."""
+    """Causal attention with per-head sinks over this rank's heads: ``q [B, hq, S, D]``, ``k [B, hkv, S, D]``,
+    ``v [B, hkv, S, Dv]``, ``sinks [hq]`` -> ``[B, S, hq, Dv]`` (the layout transformers' attention functions
+    return). Value heads of another size than the query/key heads run the matmul kernel."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # [B, hkv, S, D] -> [B, hq, S, D]: each KV head for its query heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
