@@ -238,20 +238,36 @@ class StepRunner:
         return step_cross_entropy(self.context, logits, shift_labels, weight=weight)
 
     def _check_row_weights(self, weights: Optional[torch.Tensor], what: str) -> None:
-        """Per-sample ``[B]`` weights are properties of whole rows: the same on every SP rank. Weights computed in
-        the step from shard tensors (e.g. ``1 / (batch["shift_labels"] != -100).sum(1)``, this rank's count) are not;
-        they are refused on every rank (one all-reduce of ``[2B]``, only for calls given ``[B]`` weights)."""
-        if weights is None or not isinstance(weights, torch.Tensor) or weights.ndim != 1 or self.layout.sp_size == 1:
+        """Per-sample weights are properties of whole rows: the same on every SP rank. ``[B]`` weights are compared
+        across the SP ranks; so are ``[B, s]`` per-token weights that hold one nonzero value per row on every rank (a
+        per-sample weight broadcast over the tokens, zero where there is no target): that value of each row. Weights
+        computed in the step from shard tensors (e.g. ``1 / (batch["shift_labels"] != -100).sum(1)``, this rank's
+        count) differ between the ranks and are refused on every rank. One all-reduce of ``[2B]`` (``[2B + 1]`` for
+        per-token weights), only for calls given weights; per-token weights that vary along a row are not compared."""
+        if weights is None or not isinstance(weights, torch.Tensor) or weights.ndim not in (1, 2) \
+                or self.layout.sp_size == 1:
             return
         w = weights.detach().to(self.device, torch.float64)
-        both = torch.cat([w, -w])  # [2B]: MAX over the group gives each weight's max and -min
+        if w.ndim == 1:
+            high, low, varies = w, w, w.new_zeros(0)
+        else:  # [B, s]: each row's largest and smallest nonzero value here (-inf / inf for a row without one)
+            present = w != 0
+            high = torch.where(present, w, float("-inf")).amax(1)
+            low = torch.where(present, w, float("inf")).amin(1)
+            varies = ((high != low) & present.any(1)).any().to(torch.float64).view(1)  # [1]: not one value per row
+        rows = high.numel()
+        both = torch.cat([high, -low, varies])  # MAX over the group: each row's max, -min, any rank's rows vary
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.layout.sp_group)
-        if not torch.equal(both[:w.numel()], -both[w.numel():]):
+        if w.ndim == 2 and float(both[-1]) > 0:
+            return  # per-token weights proper: nothing that must agree
+        top, bottom = both[:rows], -both[rows:2 * rows]
+        if bool(((top != bottom) & torch.isfinite(top)).any()):
+            shape = "[B]" if w.ndim == 1 else "[B, s] (one value per row)"
             raise ValueError(
-                f"{what}: the per-sample weights [B] differ between the ranks of a sequence-parallel group, so they"
-                " were computed from this rank's shard (e.g. `1 / (batch[\"shift_labels\"] != -100).sum(1)`, which"
-                " counts this rank's targets only); no weight was changed. Per-row counts over the whole sequence:"
-                " `strategy.sequence_count(mask)`; per-row sums and means: `strategy.sequence_sum`,"
+                f"{what}: the per-sample weights {shape} differ between the ranks of a sequence-parallel group, so"
+                " they were computed from this rank's shard (e.g. `1 / (batch[\"shift_labels\"] != -100).sum(1)`,"
+                " which counts this rank's targets only); no weight was changed. Per-row counts over the whole"
+                " sequence: `strategy.sequence_count(mask)`; per-row sums and means: `strategy.sequence_sum`,"
                 " `strategy.sequence_mean` (docs/post-training.md)."
             )
 

@@ -288,9 +288,19 @@ def row_weight_from_shard(module, batch):
     return strategy.token_mean(-logps, weights=1.0 / counts)
 
 
+def token_weight_from_shard(module, batch):
+    """The same per-sample weights from the shard's counts, broadcast over the tokens as ``[B, s]`` weights (zero where
+    there is no target): one value per row on each rank, a different one on each rank."""
+    strategy = module.trainer.strategy
+    logits, targets = SequenceParallel(strategy).logits_and_targets(module.policy, batch)
+    logps, mask = token_logps(logits, targets)
+    counts = (batch["shift_labels"] != -100).sum(1).clamp(min=1)
+    return strategy.token_mean(-logps, weights=mask.float() / counts[:, None])
+
+
 ONE_DEVICE_CODE = {"dpo_one_device_code": dpo_one_device_code, "simpo_one_device_code": simpo_one_device_code,
                    "nan_everywhere": nan_everywhere, "row_weight_from_shard": row_weight_from_shard,
-                   "inf_everywhere": inf_everywhere}
+                   "inf_everywhere": inf_everywhere, "token_weight_from_shard": token_weight_from_shard}
 
 
 # ---------------------------------------------------------------------------------------------- data and models
