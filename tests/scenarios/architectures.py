@@ -99,7 +99,7 @@ def run(payload: dict) -> dict:
         os.environ["WORLD_SIZE"] = str(LAUNCH_WORLD_SIZE)  # Lightning's teardown removes it after every fit
         results[name] = _fit(name, payload["steps"], ARCHITECTURES[name].get("lr", payload["lr"]),
                              payload.get("stage", 2), payload.get("dtype", "float32"),
-                             payload.get("strategy"))
+                             {**ARCHITECTURES[name].get("strategy", {}), **(payload.get("strategy") or {})})
     return results
 
 

@@ -59,6 +59,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         num_key_value_heads=4,
         num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
         head_dim=8)},
+    # ... with ring attention, which passes blocks of one head size: refused before compute naming both sizes
+    "deepseek_v3_mla_heads_ring": {"type": "deepseek_v3", "config": dict(
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+        num_key_value_heads=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+        head_dim=8), "strategy": {"ring_size": 2},
+        "expect": "value heads of 16 dims and query/key heads of 24"},
     # attention that calls torch's SDPA itself (the exchange goes around those calls)
     "falcon": {"type": "falcon", "config": {"head_dim": None}},  # multi-query: 1 KV head
     "falcon_new_arch": {"type": "falcon", "config": {"head_dim": None, "new_decoder_architecture": True,
