@@ -74,6 +74,17 @@ def loss_mismatch_message(ranks: list[int], where: str, low: float, high: float)
 
 
 def shard_local_message(ranks: list[int], where: str, reached: Optional[str]) -> str:
+    if reached is not None and reached.startswith("two sequence-parallel reductions"):
+        return (
+            f"UlyssesDeepSpeedStrategy: the loss of the {where} reduces over the sequence-parallel group values that"
+            f" were reduced over it already ({reached}), on the ranks {ranks}; no weight was changed. After one SP"
+            " reduction (`strategy.sequence_sum`/`sequence_mean`/`cross_entropy`/`token_mean`, or a"
+            " torch.distributed.nn collective over the SP group) every rank holds the whole sequence's value: a"
+            " second one counts it once per rank. Reduce once. (The loss code of DeepSpeed's / accelerate's Ulysses"
+            " tutorial does this: a differentiable all-gather of every rank's loss, weighted by its token count. The"
+            " strategy's losses, `self.model(**batch).loss`, `strategy.cross_entropy`, `strategy.token_mean`, already"
+            " are the whole batch's token mean with exact gradients: return them as they are.)" + _SEQUENCE_API
+        )
     if reached is not None and reached.startswith("torch.distributed.nn"):
         return (
             f"UlyssesDeepSpeedStrategy: the loss of the {where} reduces the model's sharded values with {reached}"

@@ -86,10 +86,12 @@ def shard_local_path(loss: torch.Tensor, sp_ranks: Optional[list[int]] = None, m
         if isinstance(node, _COLLECTIVES) and sp_ranks is not None:
             ranks = _group_ranks(getattr(node, "group", None))
             if ranks != list(sp_ranks):
-                return (f"torch.distributed.nn's {type(node).__name__.removesuffix('Backward').lstrip('_')} over the"
-                        f" ranks {ranks}, which are not this sequence-parallel group's {list(sp_ranks)}")
-            continue
+                return (f"torch.distributed.nn's {_name(node)} over the ranks {ranks}, which are not this"
+                        f" sequence-parallel group's {list(sp_ranks)}")
         if isinstance(node, SP_REDUCTIONS):
+            below = _reduction_below(node, sharded)
+            if below is not None:
+                return f"{DOUBLE_REDUCTION}: {_name(node)} of values {_name(below)} had reduced already"
             continue
         if isinstance(node, sharded) or type(node).__name__ in _SHARDED_NAMES:
             return type(node).__name__
@@ -97,6 +99,32 @@ def shard_local_path(loss: torch.Tensor, sp_ranks: Optional[list[int]] = None, m
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
                 stack.append(child)
+    return None
+
+
+DOUBLE_REDUCTION = "two sequence-parallel reductions on one path"
+
+
+def _name(node: object) -> str:
+    return type(node).__name__.removesuffix("Backward").lstrip("_")
+
+
+def _reduction_below(reduction: object, sharded: tuple[type, ...], max_nodes: int = 20_000) -> Optional[object]:
+    """An SP reduction the inputs of ``reduction`` pass before they reach the model's sharded computation (values
+    already the same on every SP rank, reduced again: each counted sp times), or ``None``. Bounded: the walk stops at
+    the sharded computation (the last layer's exchange, for a loss on the model's outputs)."""
+    seen: set[int] = set()
+    stack = [child for child, _ in reduction.next_functions if child is not None]  # type: ignore[attr-defined]
+    while stack and len(seen) <= max_nodes:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, SP_REDUCTIONS):
+            return node
+        if isinstance(node, sharded) or type(node).__name__ in _SHARDED_NAMES:
+            continue
+        stack.extend(child for child, _ in node.next_functions if child is not None)
     return None
 
 

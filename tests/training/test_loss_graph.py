@@ -48,3 +48,14 @@ def test_a_collective_over_another_group_is_named(world):
 
 def test_without_a_reduction_the_sharded_computation_is_named(world):
     assert shard_local_path(_sharded_values(world).sum(), sp_ranks=[0]) == "_AllToAllBackward"
+
+
+def test_a_reduction_of_reduced_values_is_named(world):
+    """``all_reduce(strategy.sequence_sum(...))``: the second reduction counts the already reduced value once per
+    rank (sp times)."""
+    from torch.distributed.nn import functional as dist_fn
+
+    once = dist_fn.all_reduce(_sharded_values(world).sum(1), group=world)  # [2]: reduced
+    found = shard_local_path(dist_fn.all_reduce(once * 2.0, group=world).mean(), sp_ranks=[0])
+    assert found is not None and found.startswith("two sequence-parallel reductions"), found
+    assert shard_local_path(once.mean(), sp_ranks=[0]) is None  # reduced once: fine
