@@ -67,39 +67,53 @@ def _group_ranks(group: Optional[dist.ProcessGroup]) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
-def shard_local_path(loss: torch.Tensor, sp_ranks: Optional[list[int]] = None, max_nodes: int = 200_000
-                     ) -> Optional[str]:
+def shard_local_path(loss: torch.Tensor, sp_ranks: Optional[list[int]] = None) -> Optional[str]:
     """The name of the first sharded computation of the model that ``loss``'s graph reaches without passing an SP
     reduction, or ``None`` (every path from the loss to the model's activations passes one).
 
     A ``torch.distributed.nn`` collective is an SP reduction only over the SP group (``sp_ranks``, its global ranks):
     over any other group (the world at dp > 1 sums rows of other data-parallel replicas; a group of this rank alone
-    reduces nothing) it is named instead, as what the loss reached."""
+    reduces nothing) it is named instead, as what the loss reached. Below each SP reduction the walk goes on to the
+    model's sharded computation: another SP reduction there (values reduced twice, each counted sp times) is named
+    too (:data:`DOUBLE_REDUCTION`)."""
+    return _walk(loss, sp_ranks)[0]
+
+
+def count_nodes_to_reductions(loss: torch.Tensor) -> int:
+    """How many graph nodes :func:`shard_local_path` visits for ``loss`` (its cost, for the measurements)."""
+    return _walk(loss, None)[1]
+
+
+def _walk(loss: torch.Tensor, sp_ranks: Optional[list[int]], max_nodes: int = 200_000) -> tuple[Optional[str], int]:
+    """``(finding, nodes visited)``. The walks below the reductions share one visited set: a node one of them passed
+    without meeting a reduction leads to none from another either, so the whole check visits each node once."""
     root = loss.grad_fn
     if root is None:
-        return None
+        return None, 0
     sharded = tuple(_SHARDED)
     seen = {id(root)}
+    below_seen: set[int] = set()
     stack = [root]
-    while stack and len(seen) <= max_nodes:
+    while stack and len(seen) + len(below_seen) <= max_nodes:
         node = stack.pop()
         if isinstance(node, _COLLECTIVES) and sp_ranks is not None:
             ranks = _group_ranks(getattr(node, "group", None))
             if ranks != list(sp_ranks):
                 return (f"torch.distributed.nn's {_name(node)} over the ranks {ranks}, which are not this"
-                        f" sequence-parallel group's {list(sp_ranks)}")
+                        f" sequence-parallel group's {list(sp_ranks)}"), len(seen) + len(below_seen)
         if isinstance(node, SP_REDUCTIONS):
-            below = _reduction_below(node, sharded)
+            below = _reduction_below(node, sharded, below_seen, max_nodes)
             if below is not None:
-                return f"{DOUBLE_REDUCTION}: {_name(node)} of values {_name(below)} had reduced already"
+                return (f"{DOUBLE_REDUCTION}: {_name(node)} of values {_name(below)} had reduced already",
+                        len(seen) + len(below_seen))
             continue
         if isinstance(node, sharded) or type(node).__name__ in _SHARDED_NAMES:
-            return type(node).__name__
+            return type(node).__name__, len(seen) + len(below_seen)
         for child, _ in node.next_functions:
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
                 stack.append(child)
-    return None
+    return None, len(seen) + len(below_seen)
 
 
 DOUBLE_REDUCTION = "two sequence-parallel reductions on one path"
@@ -109,11 +123,13 @@ def _name(node: object) -> str:
     return type(node).__name__.removesuffix("Backward").lstrip("_")
 
 
-def _reduction_below(reduction: object, sharded: tuple[type, ...], max_nodes: int = 20_000) -> Optional[object]:
+def _reduction_below(reduction: object, sharded: tuple[type, ...], seen: set[int], max_nodes: int
+                     ) -> Optional[object]:
     """An SP reduction the inputs of ``reduction`` pass before they reach the model's sharded computation (values
-    already the same on every SP rank, reduced again: each counted sp times), or ``None``. Bounded: the walk stops at
-    the sharded computation (the last layer's exchange, for a loss on the model's outputs)."""
-    seen: set[int] = set()
+    already the same on every SP rank, reduced again: each counted sp times), or ``None``. The walk stops at the
+    sharded computations and the leaves; the residual stream passes around the exchanges, so below a loss on the
+    model's outputs it visits the layers' other nodes (norms, MLPs, residual adds) down to the embedding, once per
+    check (``seen`` is shared by the reductions)."""
     stack = [child for child, _ in reduction.next_functions if child is not None]  # type: ignore[attr-defined]
     while stack and len(seen) <= max_nodes:
         node = stack.pop()
@@ -128,18 +144,3 @@ def _reduction_below(reduction: object, sharded: tuple[type, ...], max_nodes: in
     return None
 
 
-def count_nodes_to_reductions(loss: torch.Tensor) -> int:
-    """How many graph nodes :func:`shard_local_path` visits for ``loss`` (its cost, for the measurements)."""
-    root = loss.grad_fn
-    if root is None:
-        return 0
-    seen, stack, sharded = {id(root)}, [root], tuple(_SHARDED)
-    while stack:
-        node = stack.pop()
-        if isinstance(node, SP_REDUCTIONS) or isinstance(node, sharded):
-            continue
-        for child, _ in node.next_functions:
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                stack.append(child)
-    return len(seen)
