@@ -79,3 +79,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         helpers = _process_starting_helpers(item.module)
         if any(f is not None and _starts_processes(_unwrapped(f), helpers) for f in functions):
             item.add_marker(pytest.mark.multiprocess)
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of this process alone (world size 1), for in-process tests of code that runs collectives;
+    destroyed after the test."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as directory:
+        dist.init_process_group("gloo", store=dist.FileStore(f"{directory}/store", 1), rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()

@@ -106,20 +106,6 @@ def test_without_blocks_the_causal_output_is_returned_as_is():
 
 
 # ---------------------------------------------------------------------------- the prepared model, one process
-@pytest.fixture
-def one_process_group():
-    import tempfile
-
-    import torch.distributed as dist
-
-    with tempfile.TemporaryDirectory() as directory:
-        dist.init_process_group("gloo", store=dist.FileStore(f"{directory}/store", 1), rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
-
-
 def _context(group, info, ring_size: int = 1, batch_tensors=None):
     from lightning_ulysses.training.step_context import StepContext
 
