@@ -12,7 +12,9 @@
 #    tokens/s, peak memory per rank, MFU where the GPU's peak is known.
 #
 # On a machine without a GPU it checks nothing, prints a one-line summary and exits 0 (CI machines have none).
-# Environment: GPU_CHECK_LENGTHS (sweep sequence lengths, default "16384 32768"), GPU_CHECK_SKIP_SWEEP=1.
+# Environment: GPU_CHECK_LENGTHS (sweep sequence lengths, default "16384 32768"), GPU_CHECK_SKIP_SWEEP=1,
+# GPU_CHECK_PYTHON: an interpreter that already has the stack (a machine with no package index, e.g. torch from the
+# machine's image and the rest from carried wheels on PYTHONPATH): no .venv is made, nothing is installed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="$ROOT/benchmarks/results/gpu"
@@ -34,13 +36,23 @@ mkdir -p "$OUT"
     echo "GPUs: $gpus ($(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs))"
 } > "$REPORT"
 
-bash "$ROOT/scripts/setup_env.sh" || { echo "setup failed" | tee -a "$REPORT"; exit 1; }
-PY="${VENV_DIR:-$ROOT/.venv}/bin/python"
+if [[ -n "${GPU_CHECK_PYTHON:-}" ]]; then
+    PY="$GPU_CHECK_PYTHON"
+    echo "Python: $PY as it is (GPU_CHECK_PYTHON; no .venv set up)" >> "$REPORT"
+else
+    bash "$ROOT/scripts/setup_env.sh" || { echo "setup failed" | tee -a "$REPORT"; exit 1; }
+    PY="${VENV_DIR:-$ROOT/.venv}/bin/python"
+fi
 nvidia-smi > "$OUT/environment.txt" 2>&1
+"$PY" -c "from lightning_ulysses.drift.guard import installed_versions; print(installed_versions())" >> "$OUT/environment.txt" 2>&1
 "$PY" -m pip list 2>/dev/null | grep -Ei "^(torch|deepspeed|lightning|transformers|flash|triton) " >> "$OUT/environment.txt"
+echo "Versions: $(tail -n +1 "$OUT/environment.txt" | grep -E "^\{" | head -1)" >> "$REPORT"
 
 # flash-attn: only a prebuilt wheel (building from source takes an hour); a miss is not a failure.
-if ! "$PY" -c "import flash_attn" 2>/dev/null; then
+if [[ -n "${GPU_CHECK_PYTHON:-}" ]]; then
+    "$PY" -c "import flash_attn" 2>/dev/null && echo "flash-attn: present" >> "$REPORT" \
+        || echo "flash-attn: not installed (GPU_CHECK_PYTHON: no install tried): flash_attention_2 cases skip" >> "$REPORT"
+elif ! "$PY" -c "import flash_attn" 2>/dev/null; then
     if timeout 300 "$PY" -m pip install -qq --only-binary=:all: flash-attn 2>/dev/null; then
         echo "flash-attn: installed from a wheel" | tee -a "$REPORT"
     else
