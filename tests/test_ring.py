@@ -107,12 +107,18 @@ def test_fused_block_kernels_are_checked_against_the_matmul_kernel(monkeypatch):
         "grads": (forward, lambda *a: tuple(g * 1.001 for g in backward(*a))),
         "raises": (lambda *a: (_ for _ in ()).throw(RuntimeError("no kernel image")), backward),
     }
+    cpu = torch.device("cpu")
     for name, pair in broken.items():
         monkeypatch.setitem(ring._KERNELS, name, pair)
-        with pytest.warns(UserWarning, match="runs the exact matmul kernel"):
-            assert not ring.kernel_agrees(name, torch.device("cpu"), torch.float32), name
-        assert not ring.kernel_agrees(name, torch.device("cpu"), torch.float32)  # decided once
-    assert ring.kernel_agrees("cpu_flash", torch.device("cpu"), torch.float32)
+        assert not ring.kernel_agrees(name, cpu, torch.float32), name
+        monkeypatch.setitem(ring._KERNELS, name, ring._KERNELS["cpu_flash"])
+        assert not ring.kernel_agrees(name, cpu, torch.float32)  # decided once, at first use
+        with pytest.warns(UserWarning, match=f"'{name}' disagreed .* runs the exact matmul kernel"):
+            assert ring.first_agreeing([name], cpu, torch.float32) == "matmul"
+    assert ring.kernel_agrees("cpu_flash", cpu, torch.float32)
+    # the next candidate that agrees runs (on CUDA: the op on float32 copies where it disagrees in bf16)
+    with pytest.warns(UserWarning, match="'scaled' disagreed .* it runs 'cpu_flash' instead"):
+        assert ring.first_agreeing(["scaled", "cpu_flash"], cpu, torch.float32) == "cpu_flash"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -105,18 +105,42 @@ def _expand_heads(block: torch.Tensor, groups: int, dtype: torch.dtype) -> torch
 def block_kernel(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> str:
     """The kernel ring attention runs per block for ``q``'s device and dtype: ``"cpu_flash"`` (torch's
     flash-attention-for-CPU op and its backward op), ``"cuda_efficient"`` (torch's memory-efficient attention op and
-    its backward op; checked against the matmul kernel once per device and dtype, see :func:`kernel_agrees`), or
-    ``"matmul"`` (plain matmuls: float64 on CUDA, other devices, where the fused op disagreed, or value heads of
-    another size than the query/key heads (``v``), which the fused ops refuse)."""
+    its backward op, in ``q``'s dtype), ``"cuda_efficient_fp32"`` (the same op on float32 copies of each block: where
+    the op disagrees in a 16-bit dtype and agrees in float32), or ``"matmul"`` (plain matmuls: float64 on CUDA, other
+    devices, where no fused op agreed, or value heads of another size than the query/key heads (``v``), which the
+    fused ops refuse). A fused op is used only where it gives the matmul kernel's output, log-sum-exp and gradients
+    on this device (checked once per device and dtype, :func:`kernel_agrees`); a warning names a fallback."""
     if v is not None and v.shape[-1] != q.shape[-1]:
         return "matmul"
     if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")):
         return "cpu_flash"
-    if (q.device.type == "cuda" and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and kernel_agrees("cuda_efficient", q.device, q.dtype)):
-        return "cuda_efficient"
+    if q.device.type == "cuda" and q.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return first_agreeing(["cuda_efficient"] + (["cuda_efficient_fp32"] if q.dtype != torch.float32 else []),
+                              q.device, q.dtype)
     return "matmul"
+
+
+_KERNEL_WORDS = {"cuda_efficient_fp32": "torch's memory-efficient attention op on float32 copies of each block (twice"
+                                        " the blocks' bytes, slower matmuls)"}
+_WARNED: set[tuple] = set()
+
+
+def first_agreeing(candidates: list[str], device: torch.device, dtype: torch.dtype) -> str:
+    """The first of the fused ``candidates`` that agrees with the matmul kernel on ``device`` in ``dtype``
+    (:func:`kernel_agrees`), else ``"matmul"``; a warning (once per device, dtype and candidates) names a fallback
+    and why the kernels before it were refused."""
+    chosen = next((kernel for kernel in candidates if kernel_agrees(kernel, device, dtype)), "matmul")
+    refused = candidates[:candidates.index(chosen)] if chosen in candidates else candidates
+    key = (str(device), dtype, tuple(candidates))
+    if refused and key not in _WARNED:
+        _WARNED.add(key)
+        why = "; ".join(f"{k}: {_AGREES[(k, str(torch.device(device)), dtype)][1]}" for k in refused)
+        runs = (_KERNEL_WORDS.get(chosen, repr(chosen)) if chosen != "matmul"
+                else "the exact matmul kernel (slower; it holds each block's [cq, ck] scores)")
+        warnings.warn(f"Ring attention on {device} in {dtype}: {', '.join(map(repr, refused))} disagreed with the"
+                      f" matmul kernel ({why}); it runs {runs} instead.", stacklevel=3)
+    return chosen
 
 
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Optional[torch.Tensor],
@@ -174,6 +198,15 @@ def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, mask, scale):
     return _compat.efficient_attention_backward(dout, q, k, v, bias, out, padded, causal, scale)
 
 
+def _cuda_efficient_fp32_forward(q, k, v, causal, mask, scale):
+    return _cuda_efficient_forward(q.float(), k.float(), v.float(), causal, mask, scale)  # no copy when float32
+
+
+def _cuda_efficient_fp32_backward(dout, q, k, v, out, lse, causal, mask, scale):
+    return _cuda_efficient_backward(dout.float(), q.float(), k.float(), v.float(), out.float(), lse, causal, mask,
+                                    scale)
+
+
 def _matmul_forward(q, k, v, causal, mask, scale):
     scores = (q @ k.transpose(-1, -2)) * scale  # [B, h, cq, ck]
     allowed = _causal(q.shape[-2], q.device) if causal else mask
@@ -197,28 +230,25 @@ def _matmul_backward(dout, q, k, v, out, lse, causal, mask, scale):
 
 _KERNELS = {"cpu_flash": (_cpu_flash_forward, _cpu_flash_backward),
             "cuda_efficient": (_cuda_efficient_forward, _cuda_efficient_backward),
+            "cuda_efficient_fp32": (_cuda_efficient_fp32_forward, _cuda_efficient_fp32_backward),
             "matmul": (_matmul_forward, _matmul_backward)}
-_AGREES: dict[tuple[str, str, torch.dtype], bool] = {}
+_AGREES: dict[tuple[str, str, torch.dtype], tuple[bool, str]] = {}  # (agrees, why)
 _KERNEL_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 def kernel_agrees(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``kernel`` gives the matmul kernel's output, log-sum-exp and gradients on ``device`` in ``dtype``
-    (once per process; later calls read the verdict). Checked on a causal block, a full block and a masked block
-    with queries that see nothing (sizes not multiples of the ops' tiles). A fused op that errors or disagrees is not
-    used: a warning says so and ring attention runs the matmul kernel, exact but slower."""
+    """Whether ``kernel`` gives the matmul kernel's output, log-sum-exp and gradients on ``device`` for blocks in
+    ``dtype`` (once per process; later calls read the verdict). Checked on a causal block, a full block and a masked
+    block with queries that see nothing (sizes not multiples of the ops' tiles). A fused op that errors or disagrees
+    is not used (:func:`block_kernel` says which kernel runs instead)."""
     key = (kernel, str(torch.device(device)), dtype)
     if key not in _AGREES:
         try:
             error = _kernel_error(kernel, torch.device(device), dtype)
-            agrees, why = error <= _KERNEL_TOLERANCE[dtype], f"relative difference {error:.1e} to the matmul kernel"
+            _AGREES[key] = (error <= _KERNEL_TOLERANCE[dtype], f"relative difference {error:.1e} to the matmul kernel")
         except Exception as exc:  # an op missing or refusing these shapes on this build
-            agrees, why = False, f"{type(exc).__name__}: {exc}"
-        if not agrees:
-            warnings.warn(f"Ring attention does not use the {kernel!r} kernel on {key[1]} in {dtype} ({why}); it"
-                          " runs the exact matmul kernel instead (slower).", stacklevel=2)
-        _AGREES[key] = agrees
-    return _AGREES[key]
+            _AGREES[key] = (False, f"{type(exc).__name__}: {exc}")
+    return _AGREES[key][0]
 
 
 def _kernel_error(kernel: str, device: torch.device, dtype: torch.dtype) -> float:
@@ -321,7 +351,9 @@ class _RingAttention(torch.autograd.Function):
         groups = hq // k.shape[1]
         c = L // 2
         kernel = block_kernel(q)
-        kernel_dtype = q.dtype if kernel != "matmul" else (torch.float64 if q.dtype == torch.float64 else torch.float32)
+        # the blocks' dtype: q's for the fused ops that agree in it, float32 (float64) for the others
+        kernel_dtype = q.dtype if kernel in ("cpu_flash", "cuda_efficient") else (
+            torch.float64 if q.dtype == torch.float64 else torch.float32)
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         if kernel != "matmul":  # the fused kernels and the passes take contiguous blocks: one copy each, here (the
             # projections' [B, s, h, D] views arrive as they are where the Ulysses group has one rank)

@@ -48,7 +48,7 @@ class _SinkAttention(torch.autograd.Function):
                                      ctx.kernel)
         delta = (dout.to(total.dtype) * final.to(total.dtype)).sum(-1)  # [B, h, S]
         dsinks = -(torch.exp(sinks.detach().to(total.dtype).view(1, -1, 1) - total) * delta).sum(dim=(0, 2))  # [h]
-        return dq, dk, dv, dsinks.to(sinks.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks.to(sinks.dtype), None, None
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: Optional[int],
