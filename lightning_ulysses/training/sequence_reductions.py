@@ -79,9 +79,12 @@ def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def sequence_sum(values: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup, share_factor: float,
                  record: Optional[list]) -> torch.Tensor:
-    """``[B, s, ...]`` -> ``[B, ...]``: each full row's sum of ``values`` over the positions of ``mask`` ``[B, s]``."""
-    partial = _masked(values, mask).sum(dim=1)  # [B, ...] this rank's positions
-    return SequenceSum.apply(partial, group, share_factor, record)
+    """``[B, s, ...]`` -> ``[B, ...]``: each full row's sum of ``values`` over the positions of ``mask`` ``[B, s]``.
+    Values of a 16-bit float type are summed and all-reduced in float32 and rounded once, at the end, as one device's
+    ``sum`` over the full row rounds them (rounding each rank's partial sum first would round twice)."""
+    accumulate = torch.float32 if values.dtype in (torch.bfloat16, torch.float16) else values.dtype
+    partial = _masked(values.to(accumulate), mask).sum(dim=1)  # [B, ...] this rank's positions
+    return SequenceSum.apply(partial, group, share_factor, record).to(values.dtype)
 
 
 def sequence_count(mask: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -16,8 +16,9 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import UlyssesDeepSpeedStrategy
 from lightning_ulysses.training import loss_graph
 from tests.support.models import SEED
-from tests.support.objectives import (LEARNING_RATES, OBJECTIVES, ONE_DEVICE_CODE, SequenceParallel, build_models,
-                                      collate_pairs, preference_rows, trainable, trained_weights)
+from tests.support.objectives import (LEARNING_RATES, OBJECTIVES, ONE_DEVICE_CODE, PRECISION_OBJECTIVES,
+                                      SequenceParallel, build_models, collate_pairs, preference_rows, trainable,
+                                      trained_weights)
 from tests.support.training import make_trainer, run_cases
 
 LR = 0.2
@@ -46,7 +47,7 @@ class PostTraining(LightningModule):
         if name in ONE_DEVICE_CODE:
             loss = ONE_DEVICE_CODE[name](self, batch)
         else:
-            loss = OBJECTIVES[name](SequenceParallel(self.trainer.strategy), self, batch)
+            loss = {**OBJECTIVES, **PRECISION_OBJECTIVES}[name](SequenceParallel(self.trainer.strategy), self, batch)
         self.walked.append(loss_graph.count_nodes_to_reductions(loss))
         self.losses.append(float(loss.detach()))
         return loss
@@ -68,10 +69,10 @@ def _fit(case: dict) -> dict:
     module = PostTraining(case)
     stage = case.get("stage", 2)
     initial = {k: v.detach().clone() for k, v in module.policy.named_parameters()}
-    strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=stage)
+    strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=stage, **case.get("strategy", {}))
     if stage == 3:  # every parameter partitioned (tiny models otherwise stay whole on every rank)
         strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    trainer = make_trainer(strategy, case.get("max_steps", 4))
+    trainer = make_trainer(strategy, case.get("max_steps", 4), **case.get("trainer", {}))
     result: dict[str, Any] = {"error_type": None, "message": None}
     start = time.monotonic()
     try:

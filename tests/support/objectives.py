@@ -123,6 +123,25 @@ def _policy_and_reference(ops, module, batch):
     return policy, reference, mask
 
 
+def token_logps_in_model_dtype(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's ``selective_log_softmax`` for bf16/fp16 logits (per-row ``logsumexp`` in the logits' dtype, no float32
+    copy of the logits): ``[B, T]`` log-probabilities in the logits' dtype and the ``[B, T]`` mask."""
+    mask = targets != -100
+    picked = torch.gather(logits, -1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1), mask.to(logits.dtype)
+
+
+def dpo_logps_in_model_dtype(ops, module, batch):
+    """DPO on log-probabilities kept in the model's dtype (bf16 under bf16 training), summed per row: what a user who
+    copies TRL's bf16 path reduces with ``strategy.sequence_sum``."""
+    logits, targets = ops.logits_and_targets(module.policy, batch)
+    policy, mask = token_logps_in_model_dtype(logits, targets)
+    with torch.no_grad():
+        reference, _ = token_logps_in_model_dtype(ops.logits_and_targets(module.ref, batch)[0], targets)
+    chosen, rejected = _halves(ops.sequence_sum(policy, mask) - ops.sequence_sum(reference, mask))
+    return -F.logsigmoid(BETA * (chosen - rejected)).mean()
+
+
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[0] // 2
     return x[:n], x[n:]
@@ -298,6 +317,8 @@ def token_weight_from_shard(module, batch):
     return strategy.token_mean(-logps, weights=mask.float() / counts[:, None])
 
 
+# Objectives run only where precision is compared (tests/test_bf16.py), not in the fp32 parity matrix.
+PRECISION_OBJECTIVES = {"dpo_logps_in_model_dtype": dpo_logps_in_model_dtype}
 ONE_DEVICE_CODE = {"dpo_one_device_code": dpo_one_device_code, "simpo_one_device_code": simpo_one_device_code,
                    "nan_everywhere": nan_everywhere, "row_weight_from_shard": row_weight_from_shard,
                    "inf_everywhere": inf_everywhere, "token_weight_from_shard": token_weight_from_shard}
