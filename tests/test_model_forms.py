@@ -165,6 +165,8 @@ def test_model_form_check_stops_a_shard_dependent_model_before_any_weight_change
         assert "error" in result, f"{name} trained: {result['losses']}"
         assert result["error"].startswith("FormCheckFailed"), result["error"]
         assert "rank 1:" in result["error"] and module in result["error"], result["error"]
+        # no message offers a switch that would then train wrongly
+        assert "check_model_form=False" not in result["error"], result["error"]
         assert result["losses"] == [] and result["changed"] == 0.0
         assert result["seconds"] < 60
 

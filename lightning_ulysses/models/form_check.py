@@ -423,8 +423,12 @@ def _agree_and_raise(findings: list[str], length: int) -> None:
             " scale chosen from the local largest position, a window or statistic over the local tokens. Fix: give"
             " that module the global positions (a forward argument named `position_ids` or `input_pos` on the model"
             " that contains your attention cores is filled in by the strategy; in a step, `batch[\"position_ids\"]`"
-            " holds them), or compute the quantity from them. See docs/model-forms.md. If you are certain the"
-            " difference is intended, pass `check_model_form=False`."
+            " holds them), or compute the quantity from them. Or the module named is an attention the strategy does"
+            " not recognise (its forward neither looks its kernel up in transformers' attention interface nor calls"
+            " torch's SDPA, and for a Hugging Face model its class name does not end in `Attention`): then each rank"
+            " attends within its own shard: an own model declares it with `attention_modules=`; a Hugging Face model"
+            " with such a module trains with sp_size=1. See"
+            " docs/model-forms.md. (Switching this check off would not make the model exact, only unchecked.)"
         )
 
 
