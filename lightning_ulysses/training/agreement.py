@@ -56,12 +56,23 @@ _SEQUENCE_API = (
 )
 
 
-def loss_mismatch_message(ranks: list[int], where: str, low: float, high: float) -> str:
+_MODEL_FORM_UNCHECKED = (
+    " The model-form check is off (`check_model_form=False`), so the model itself may be what differs: a model that"
+    " computes something from its shard as if it were the whole sequence (positions from `torch.arange(T)`, an"
+    " attention the strategy does not recognise) gives a different loss on every rank with correct loss code. Run"
+    " with the check on: it names such a module before any weight changes. If it passes, the loss code is the"
+    " cause:"
+)
+
+
+def loss_mismatch_message(ranks: list[int], where: str, low: float, high: float,
+                          model_form_checked: bool = True) -> str:
     return (
         f"UlyssesDeepSpeedStrategy: the loss of the {where} differs between the ranks {ranks} of one"
         f" sequence-parallel group (from {_show(low)} to {_show(high)}); no weight was changed. Each rank holds a"
         " slice of every sequence, so a loss computed from this rank's tokens alone is a different function on every"
-        " rank and would train the wrong weights. Likely code: (1) `F.cross_entropy(...)` on the shard's logits (a"
+        " rank and would train the wrong weights." + ("" if model_form_checked else _MODEL_FORM_UNCHECKED) +
+        " Likely code: (1) `F.cross_entropy(...)` on the shard's logits (a"
         " mean over this rank's tokens), also with your own shift (`logits[:, :-1]` against `input_ids[:, 1:]`,"
         " which also drops the target at every shard boundary); (2) an extra term on shard tensors, e.g."
         " `0.01 * logits.pow(2).mean()`; (3) losses combined by hand across ranks. Fix: take means over the whole"
@@ -161,7 +172,7 @@ class SPAgreement:
             raise SPPeerMismatchError(self._message(where, high, low))
 
     def verify_loss(self, value: torch.Tensor, incoming: list[torch.Tensor], where: str,
-                    shard_local: Optional[str] = None) -> None:
+                    shard_local: Optional[str] = None, model_form_checked: bool = True) -> None:
         """Raise on every rank of the group unless the loss a step back-propagated is the same finite number on
         every rank, depends on the model's sharded computation only through SP reductions (``shard_local``: the
         sharded computation this rank's loss reached without one, from
@@ -179,7 +190,8 @@ class SPAgreement:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         high, low = both[:5].tolist(), [-v for v in both[5:].tolist()]
         if high[0] != low[0]:
-            raise SPLossMismatchError(loss_mismatch_message(self.group_ranks, where, low[0], high[0]))
+            raise SPLossMismatchError(loss_mismatch_message(self.group_ranks, where, low[0], high[0],
+                                                            model_form_checked))
         if high[0] == NAN_SENTINEL or abs(high[0]) == float("inf"):
             raise SPLossMismatchError(non_finite_loss_message(self.group_ranks, where, _show(high[0])))
         if high[4] > 0:

@@ -195,7 +195,8 @@ class StepRunner:
         finally:
             context.record.new_gradient_list()  # for the next forward pass
         if self.agreement is not None:
-            self.agreement.verify_loss(value, received, where=where, shard_local=shard_local)
+            self.agreement.verify_loss(value, received, where=where, shard_local=shard_local,
+                                       model_form_checked=self.check_model_form)
 
     def before_manual_optimizer_step(self) -> None:
         """Manual optimization: an optimizer step with no backward pass through the strategy since the last one
