@@ -26,6 +26,8 @@ config and the names the modeling module defines (:func:`_router_loss_per_shard`
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 import sys
 from types import ModuleType
@@ -274,6 +276,11 @@ _KNOWN_UNSHARDABLE = {
                     " while index_topk, 2048 by default, covers the sequence: shorter than the sequences sequence"
                     " parallelism is for)",
     "doge": "passes a learned per-key bias (its dynamic mask) to attention through attention_mask",
+    "longcat_flash": "routes tokens to zero-compute (identity) experts: on a rank whose shard routes no token to a"
+                     " real expert of a layer, that layer's expert weights get no gradient there while another"
+                     " rank's do, and DeepSpeed's ZeRO gradient buckets then differ between the ranks (measured:"
+                     " 2331840 against 1258688 elements in one bucket, the processes abort; where the sizes happen"
+                     " to match, slices of different parameters would be summed)",
     "zaya": "mixes the sequence inside its attention module, before the attention kernel: its compressed"
             " convolutional attention (CCA) convolves queries and keys over the positions (`conv_qk_depthwise`,"
             " `cca_time0/1`) and mixes in the previous token's value; the Ulysses exchange would cut those"
@@ -336,8 +343,30 @@ _NOT_THROUGH_INTERFACE = frozenset({
 })
 
 
+# What a forward that looks its kernel up in transformers' attention interface reads: the registry, and the eager
+# function it falls back to (every modeling module's attention does both, whatever its class is called).
+_DISPATCH_MARKERS = ("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward")
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_dispatches_attention(cls: type) -> bool:
+    """Whether the ``forward`` instances of ``cls`` run (its own or inherited: a wrapper on one instance changes
+    nothing) looks its attention kernel up in transformers' attention interface. Read from the forward's source;
+    a forward without source (compiled, generated) is not recognised this way."""
+    forward = getattr(cls, "forward", None)
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    return any(marker in source for marker in _DISPATCH_MARKERS)
+
+
 def _is_attention_class(cls: type) -> bool:
-    return bool(_ATTENTION_CLASS.search(cls.__name__))
+    """An attention module's class: one whose forward dispatches through transformers' attention interface (what it
+    does: LongcatFlashMLA, or a subclass of an attention class under another name), or one named as transformers
+    names its attention classes (``LlamaAttention``, ``BertSelfAttention``: those that compute attention in their
+    own way, which the rules of :func:`_attention_kind` then refuse or serve)."""
+    return _forward_dispatches_attention(cls) or bool(_ATTENTION_CLASS.search(cls.__name__))
 
 
 def _own_classes(cls: type) -> list[type]:
@@ -354,7 +383,8 @@ def _attention_kind(module: nn.Module) -> Optional[str]:
       ``ALL_ATTENTION_FUNCTIONS``, it holds a ``config`` (the lookup reads ``config._attn_implementation``), it is no
       sequence mixer, and no attention module inside it dispatches (else it is a wrapper around that one);
     * ``"own"``: any other attention module, which computes attention some other way;
-    * ``None``: not an attention module (its class name does not end in ``Attention`` / ``Attention<n>``).
+    * ``None``: not an attention module (its forward does not dispatch through the interface and its class name does
+      not end in ``Attention`` / ``Attention<n>``).
 
     Wrapping or compiling the forward changes none of these facts.
     """

@@ -59,6 +59,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         num_key_value_heads=4,
         num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
         head_dim=8)},
+    # an attention class not named "...Attention" (as LongcatFlashMLA, or remote code's MLA classes): recognised by
+    # what its forward does (it dispatches through transformers' attention interface), not by its name
+    "llama_attention_renamed": {"type": "llama", "rename_attention": "LatentMixer"},
     # ... with ring attention, which passes blocks of one head size: refused before compute naming both sizes
     "deepseek_v3_mla_heads_ring": {"type": "deepseek_v3", "config": dict(
         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
@@ -238,7 +241,23 @@ def build_model(name: str, seed: int = 0, dtype: str = "float32"):
     kwargs = {} if attn is None else {"attn_implementation": attn}
     if dtype == "float64":
         _keep_double_precision()
-    return AutoModelForCausalLM.from_config(build_config(name), **kwargs).to(getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_config(build_config(name), **kwargs).to(getattr(torch, dtype))
+    suffix = ARCHITECTURES[name].get("rename_attention")
+    if suffix:
+        for module in model.modules():
+            if type(module).__name__.endswith("Attention"):
+                module.__class__ = _renamed(type(module), suffix)
+    return model
+
+
+_RENAMED: dict[tuple[type, str], type] = {}
+
+
+def _renamed(cls: type, suffix: str) -> type:
+    """``cls`` under a name without "Attention" (``LlamaAttention`` -> ``LlamaLatentMixer``), same behaviour."""
+    if (cls, suffix) not in _RENAMED:
+        _RENAMED[(cls, suffix)] = type(cls.__name__.replace("Attention", suffix), (cls,), {"__module__": __name__})
+    return _RENAMED[(cls, suffix)]
 
 
 def _keep_double_precision() -> None:
