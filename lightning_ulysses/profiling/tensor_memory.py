@@ -153,8 +153,8 @@ class TensorMemoryTracker(TorchDispatchMode):
             self._modules.pop()
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
-            item = self._live.get(tensor.untyped_storage().data_ptr())
+        if isinstance(tensor, torch.Tensor):
+            item = self._live.get(_storage_key(tensor))
             if item is not None:
                 item.saved = True  # also in the peak's snapshot, which holds the same object
         return tensor
@@ -162,16 +162,15 @@ class TensorMemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         # views and in-place results share an input's storage: nothing was allocated for them
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and not t.is_meta}
+        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+            if isinstance(tensor, torch.Tensor):
                 self._record(tensor, inputs)
         return out
 
     def _record(self, tensor: torch.Tensor, inputs: set[int]) -> None:
         storage = tensor.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
+        key, nbytes = _storage_key(tensor), storage.nbytes()
         if nbytes == 0 or key in self._live or key in inputs:
             return
         module = self._modules[-1] if self._modules else ""
@@ -195,6 +194,12 @@ class TensorMemoryTracker(TorchDispatchMode):
             by_layer[layer_of(item.module)] += item.nbytes
             by_module[item.module or "(outside the model)"] += item.nbytes
         self._peak.by_kind, self._peak.by_layer, self._peak.by_module = dict(by_kind), dict(by_layer), dict(by_module)
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage (shared by its views): the storage object's C address, which also tells
+    meta tensors' storages apart (they have no data pointer), so shapes alone can be planned (``device="meta"``)."""
+    return tensor.untyped_storage()._cdata
 
 
 def _forget(tracker: TensorMemoryTracker, live: dict, key: int, nbytes: int) -> None:

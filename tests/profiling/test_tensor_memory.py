@@ -99,3 +99,20 @@ def test_no_layer_keeps_more_per_token_than_one_device_but_the_exchanged_attenti
         per_token = {sp: per_sp[sp][0]["by_layer"][layer] / tokens[sp] for sp in (1, 2, 4)}
         assert per_token[2] == pytest.approx(per_token[1] + one_copy, rel=0.01), per_token
         assert per_token[4] == pytest.approx(per_token[2], rel=0.01), per_token
+
+
+def test_meta_tensors_are_counted_as_real_ones():
+    """Shapes alone give the same count (``device="meta"``: no memory, no compute), so that memory can be planned."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    peaks = {}
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+        ids = torch.zeros(1, 64, dtype=torch.long, device=device)
+        with TensorMemoryTracker() as tracker:
+            model(input_ids=ids, labels=ids).loss.backward()
+        peaks[device] = (tracker.result().peak_bytes, tracker.result().end_bytes)
+    assert peaks["meta"] == peaks["cpu"] and peaks["cpu"][0] > 0, peaks
