@@ -1,0 +1,142 @@
+"""What a training step allocates beyond the model's states, counted from shapes alone: the model built on the meta
+device (no memory, no compute) runs one forward and backward pass over one rank's shard under
+:class:`~lightning_ulysses.profiling.TensorMemoryTracker`, with attention as a flash kernel keeps it (its output and
+log-sum-exp saved, no ``[S, S]`` scores). Every operation of the real model runs, so the count follows the model's
+own code (norms, RoPE, MLP, logits and loss) without a formula per family.
+
+Under sequence parallelism a rank runs its ``s = S / sp`` tokens through every layer with all heads, and attention
+over all ``S`` tokens with ``heads / sp`` heads: the same bytes for q, k, v, the output and the log-sum-exp as all
+heads over ``s`` tokens. On top of the traced step the exchange keeps one more copy of the attention output per layer
+(the kernel's saved output and ``o_proj``'s input are then two tensors; measured, docs/performance.md) and holds
+transient send/receive buffers during a layer's backward (:func:`exchange_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+from lightning_ulysses.profiling.tensor_memory import TensorMemoryTracker
+
+SHAPE_ATTENTION = "lightning_ulysses_plan_shapes"
+
+
+class _FlashShapes(torch.autograd.Function):
+    """A flash kernel's memory, shapes only: saves q, k, v, the output and a float32 log-sum-exp ``[B, h, S]``.
+
+    With ``sp > 1`` it also holds what the Ulysses exchange adds around the kernel: in the forward pass the exchanged
+    q, k, v beside the local ones for a moment, and one more copy of the output (exchanged back to sequence shards,
+    ``o_proj``'s input, while the kernel keeps its own); in the backward pass the output's gradient exchanged to head
+    shards and the kernel's q/k/v gradients beside the ones exchanged back."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: int) -> torch.Tensor:  # type: ignore[override]
+        B, h, S, _ = q.shape
+        if sp > 1:
+            exchanged = [torch.empty_like(t) for t in (q, k, v)]  # the all-to-all's outputs, the inputs stay alive
+            del exchanged
+        out = q.new_empty((B, S, h, v.shape[-1])).transpose(1, 2)  # [B, h, S, Dv] over a [B, S, h, Dv] buffer, as
+        # the kernels lay it out: the caller's transpose back and reshape to [B, S, h·Dv] are views, no copy
+        lse = q.new_empty((B, h, S), dtype=torch.float32)
+        ctx.sp = sp
+        if sp > 1:
+            back = q.new_empty((B, S, h, v.shape[-1]))  # the output exchanged back: what the caller holds
+            ctx.save_for_backward(q, k, v, out, lse)
+            return back.transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        q, k, v, _, _ = ctx.saved_tensors
+        if ctx.sp > 1:
+            grad = torch.empty_like(grad)  # the output's gradient exchanged to head shards
+        kernel_grads = [torch.empty_like(t) for t in (q, k, v)]
+        if ctx.sp > 1:
+            exchanged_back = [torch.empty_like(t) for t in kernel_grads]
+            del kernel_grads, grad
+            return (*exchanged_back, None)
+        return (*kernel_grads, None)
+
+
+def _shape_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Optional[torch.Tensor], sp: int = 1, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``q [B, hq, S, D]``, ``k/v [B, hkv, S, D]`` -> ``[B, S, hq, Dv]``
+    (KV heads are not repeated: flash kernels read each KV head for its query heads)."""
+    return _FlashShapes.apply(query, key, value, sp).transpose(1, 2), None
+
+
+def _register(sp: int) -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    name = f"{SHAPE_ATTENTION}_sp{sp}"
+    AttentionInterface.register(name, functools.partial(_shape_attention, sp=sp))
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, flash_attention_mask)  # no 4-D mask, as flash
+    return name
+
+
+@contextlib.contextmanager
+def _no_value_reads() -> Iterator[None]:
+    """transformers looks for packed documents in the positions it made itself (``arange``: none), which reads values
+    a meta tensor does not have: the answer is known, no documents."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """One rank's traced step, in bytes: ``peak`` (the step's allocations at their peak), ``by_kind`` and
+    ``by_layer`` (their composition there); ``parameters``: the model's parameter count, ``trainable`` those that
+    require a gradient."""
+
+    peak: int
+    by_kind: dict[str, int]
+    by_layer: dict[str, int]
+    parameters: int
+    trainable: int
+
+
+def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32, sp: int = 1,
+               gradient_buffer_bytes: int = 0) -> TracedStep:
+    """Count one forward and backward pass of a Hugging Face causal LM built from ``config`` over one rank's
+    ``[batch_size, tokens]`` shard in ``dtype``, on the meta device, with the exchange of ``sp`` ranks around
+    attention. ``gradient_buffer_bytes``: what the ZeRO optimizer allocates when the first gradient arrives and keeps
+    to the end of the step (ZeRO 1/2: two reduce buckets)."""
+    from transformers import AutoModelForCausalLM
+
+    name = _register(sp)
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=name, dtype=dtype)
+    model.train()
+    ids = torch.zeros((batch_size, tokens), dtype=torch.long, device="meta")
+    buffers: list[torch.Tensor] = []
+
+    def first_gradient(_: torch.Tensor) -> None:
+        if gradient_buffer_bytes and not buffers:
+            buffers.append(torch.empty(-(-gradient_buffer_bytes // 4), dtype=torch.float32, device="meta"))
+
+    hooks = [p.register_post_accumulate_grad_hook(first_gradient) for p in model.parameters() if p.requires_grad]
+    try:
+        with _no_value_reads(), TensorMemoryTracker() as tracker:
+            model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    step = tracker.result()
+    return TracedStep(step.peak_bytes, dict(step.by_kind), dict(step.by_layer),
+                      sum(p.numel() for p in model.parameters()),
+                      sum(p.numel() for p in model.parameters() if p.requires_grad))
