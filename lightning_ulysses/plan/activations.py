@@ -109,11 +109,12 @@ class TracedStep:
 
 
 def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32, sp: int = 1,
-               gradient_buffer_bytes: int = 0) -> TracedStep:
+               gradient_buffer_bytes: int = 0, gradients_leave: bool = False) -> TracedStep:
     """Count one forward and backward pass of a Hugging Face causal LM built from ``config`` over one rank's
     ``[batch_size, tokens]`` shard in ``dtype``, on the meta device, with the exchange of ``sp`` ranks around
     attention. ``gradient_buffer_bytes``: what the ZeRO optimizer allocates when the first gradient arrives and keeps
-    to the end of the step (ZeRO 1/2: two reduce buckets)."""
+    to the end of the step (ZeRO 1/2: two reduce buckets); ``gradients_leave``: each parameter's gradient leaves as
+    soon as it is complete (ZeRO copies it into its buckets and drops it)."""
     from transformers import AutoModelForCausalLM
 
     name = _register(sp)
@@ -125,9 +126,11 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
     ids = torch.zeros((batch_size, tokens), dtype=torch.long, device="meta")
     buffers: list[torch.Tensor] = []
 
-    def first_gradient(_: torch.Tensor) -> None:
+    def first_gradient(param: torch.Tensor) -> None:
         if gradient_buffer_bytes and not buffers:
             buffers.append(torch.empty(-(-gradient_buffer_bytes // 4), dtype=torch.float32, device="meta"))
+        if gradients_leave:
+            param.grad = None
 
     hooks = [p.register_post_accumulate_grad_hook(first_gradient) for p in model.parameters() if p.requires_grad]
     try:

@@ -1,0 +1,99 @@
+"""``python -m lightning_ulysses.plan``: the per-rank memory plan of a training run, before it starts.
+
+    python -m lightning_ulysses.plan --config path/to/config.json --seq-len 131072 --sp 1 2 4 8 --gpus 8 --device h100
+    python -m lightning_ulysses.plan --model-type llama --hidden-size 4096 --layers 32 --heads 32 --kv-heads 8 \\
+        --intermediate-size 14336 --vocab-size 128256 --seq-len 65536 --sp 8 --stage 3 --longest --json
+
+Prints each sp's breakdown (GiB per rank), whether it fits the device, and with ``--longest`` the longest sequence
+that fits; ``--json`` prints the same as JSON (bytes). No network, no weights: the model is built on the meta device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_ulysses.plan.planner import DEVICES, GIB, longest_sequence, plan_memory
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from transformers import AutoConfig
+
+    if args.config:
+        path = Path(args.config)
+        if path.is_dir():
+            return AutoConfig.from_pretrained(path)
+        values = json.loads(path.read_text())
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    if not args.model_type:
+        raise SystemExit("give --config (a config.json or a folder with one) or --model-type with sizes")
+    sizes = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+             "num_key_value_heads": args.kv_heads, "intermediate_size": args.intermediate_size,
+             "vocab_size": args.vocab_size}
+    return AutoConfig.for_model(args.model_type, **{k: v for k, v in sizes.items() if v is not None})
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_ulysses.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="a transformers config.json, or a folder holding one")
+    parser.add_argument("--model-type", help="a transformers model type (with the sizes below)")
+    for flag in ("--hidden-size", "--layers", "--heads", "--kv-heads", "--intermediate-size", "--vocab-size"):
+        parser.add_argument(flag, type=int)
+    parser.add_argument("--seq-len", type=int, required=True, help="tokens per row")
+    parser.add_argument("--sp", type=int, nargs="+", default=[1], help="sp_size values to plan")
+    parser.add_argument("--gpus", type=int, help="ranks in all (default: each sp)")
+    parser.add_argument("--device", choices=sorted(DEVICES), help="the device whose memory is the budget")
+    parser.add_argument("--memory-gib", type=float, help="the budget per rank instead of --device's memory")
+    parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3))
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd_momentum"))
+    parser.add_argument("--offload-optimizer", action="store_true")
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--reduce-bucket-size", type=int, default=200_000_000)
+    parser.add_argument("--reserved-gib", type=float, default=0.0,
+                        help="the device's fixed cost per rank (CUDA context, allocator, NCCL); not yet measured")
+    parser.add_argument("--longest", action="store_true", help="also find the longest sequence that fits")
+    parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of tables")
+    args = parser.parse_args(argv)
+    config = _config(args)
+    budget = (int(args.memory_gib * GIB) if args.memory_gib else
+              DEVICES[args.device].memory_bytes if args.device else None)
+    found = []
+    for sp in args.sp:
+        settings = dict(sp_size=sp, world_size=args.gpus or sp, stage=args.stage, precision=args.precision,
+                        micro_batch=args.micro_batch, optimizer=args.optimizer,
+                        offload_optimizer=args.offload_optimizer, reduce_bucket_size=args.reduce_bucket_size,
+                        reserved_bytes=int(args.reserved_gib * GIB))
+        try:
+            plan = plan_memory(config, args.seq_len, **settings)
+        except ValueError as err:
+            found.append({"sp_size": sp, "error": str(err)})
+            continue
+        entry = plan.to_dict()
+        if budget is not None:
+            entry["budget"], entry["fits"] = budget, plan.peak <= budget
+            if args.longest:
+                entry["longest_seq_len"] = longest_sequence(config, budget, **settings)
+        found.append(entry)
+        if not args.json:
+            print(plan.table())
+            if budget is not None:
+                verdict = "fits" if plan.peak <= budget else "does NOT fit"
+                print(f"{verdict} in {budget / GIB:.1f} GiB per rank"
+                      + (f"; longest sequence that fits: {entry['longest_seq_len']}" if args.longest else ""))
+            print()
+    if args.json:
+        json.dump(found, sys.stdout, indent=1, default=str)
+        print()
+    else:
+        for entry in found:
+            if "error" in entry:
+                print(f"sp={entry['sp_size']}: {entry['error']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The plan: per-rank peak memory of a training step under :class:`~lightning_ulysses.UlyssesDeepSpeedStrategy`,
+with its parts, for a Hugging Face causal LM's config, a sequence length and the strategy's settings, before any
+process starts or any weight is built; and the longest sequence that fits a budget.
+
+Peak per rank = the model's states (:mod:`lightning_ulysses.plan.states`) + the step's own allocations at their peak
+(:mod:`lightning_ulysses.plan.activations`: activations, logits and loss, gradients in flight, ZeRO's buckets,
+counted from shapes on the meta device) + at ZeRO 3 the gathered parameters in flight + the device's fixed cost
+(``reserved_bytes``: CUDA context, allocator, NCCL; not yet measured on a GPU, 0 by default).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from lightning_ulysses.plan.activations import trace_step
+from lightning_ulysses.plan.states import ModelStates, model_states
+
+PRECISIONS = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": torch.bfloat16,
+              "bf16-true": torch.bfloat16, "16-mixed": torch.float16, "16-true": torch.float16}
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device's memory (what ``nvidia-smi`` reports as total) and dense bf16 rate."""
+
+    name: str
+    memory_bytes: int
+    bf16_flops: float
+
+
+DEVICES = {
+    "h100": Device("NVIDIA H100 80GB HBM3", 81559 * 2**20, 989e12),  # memory: read on an H100 here (KINDS.md)
+    "h200": Device("NVIDIA H200", 143771 * 2**20, 989e12),  # read on an H200 here
+    "a100-80gb": Device("NVIDIA A100 80GB", 81920 * 2**20, 312e12),
+    "a100-40gb": Device("NVIDIA A100 40GB", 40960 * 2**20, 312e12),
+    "b200": Device("NVIDIA B200", 183359 * 2**20, 2250e12),
+}
+
+
+# the tracker's kinds, as a plan names them (at the step's peak)
+_STEP_PARTS = {"saved for backward": "activations saved for backward",
+               "gradients and optimizer": "gradients in flight (activations' and weights'), ZeRO buckets",
+               "logits and loss": "logits and loss", "exchange buffers": "exchange buffers",
+               "temporaries": "temporaries", "masks": "masks", "positions and indices": "positions and indices"}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's predicted peak, in bytes, and its parts (see the module doc)."""
+
+    seq_len: int
+    sp_size: int
+    world_size: int
+    stage: int
+    precision: str
+    micro_batch: int
+    states: ModelStates
+    step: int
+    step_by_kind: dict[str, int] = field(default_factory=dict)
+    zero3_gathered: int = 0
+    reserved: int = 0
+    parameters: int = 0
+
+    @property
+    def peak(self) -> int:
+        return self.states.total + self.step + self.zero3_gathered + self.reserved
+
+    def parts(self) -> list[tuple[str, int]]:
+        rows = [("parameters", self.states.parameters),
+                ("ZeRO master weights + gradient partition", self.states.master_and_gradients),
+                ("optimizer states", self.states.optimizer)]
+        rows += [(f"step: {_STEP_PARTS.get(kind, kind)}", size) for kind, size in sorted(self.step_by_kind.items())
+                 if size]
+        if self.zero3_gathered:
+            rows.append(("ZeRO-3 gathered parameters in flight", self.zero3_gathered))
+        if self.reserved:
+            rows.append(("device fixed cost (reserved_bytes)", self.reserved))
+        return rows
+
+    def table(self) -> str:
+        head = (f"S={self.seq_len}, sp={self.sp_size}, {self.world_size} ranks, ZeRO {self.stage}, {self.precision},"
+                f" micro-batch {self.micro_batch}, {self.parameters / 1e9:.2f} B parameters")
+        lines = [head, "| part | GiB per rank |", "|---|---|"]
+        lines += [f"| {name} | {size / GIB:.2f} |" for name, size in self.parts()]
+        lines.append(f"| **peak** | **{self.peak / GIB:.2f}** |")
+        if self.states.host:
+            lines.append(f"(host memory per rank for the offloaded optimizer: {self.states.host / GIB:.2f} GiB)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        found = asdict(self)
+        found["peak"] = self.peak
+        return found
+
+
+def _validate(config: Any, seq_len: int, sp_size: int, world_size: int) -> None:
+    if seq_len < 1 or sp_size < 1 or world_size < 1:
+        raise ValueError("seq_len, sp_size and world_size must be positive.")
+    if world_size % sp_size:
+        raise ValueError(f"world_size {world_size} is not a multiple of sp_size {sp_size}.")
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads and heads % sp_size:
+        raise ValueError(f"{heads} attention heads do not split over sp_size={sp_size} Ulysses ranks: choose an"
+                         " sp_size that divides the heads (past that, the strategy's ring_size).")
+    if kv_heads and sp_size > kv_heads and sp_size % kv_heads:
+        raise ValueError(f"{kv_heads} KV heads: sp_size={sp_size} must divide them or be a multiple of them.")
+
+
+def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Optional[int] = None, stage: int = 2,
+                precision: str = "bf16-mixed", micro_batch: int = 1, optimizer: str = "adamw",
+                offload_optimizer: bool = False, reduce_bucket_size: int = 200_000_000,
+                reserved_bytes: int = 0) -> MemoryPlan:
+    """Predict one rank's peak memory for training a Hugging Face causal LM built from ``config`` (a
+    ``PretrainedConfig``) on rows of ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size,
+    stage=stage)`` on ``world_size`` ranks (default: ``sp_size``). ``precision``: Lightning's (``"bf16-mixed"`` and
+    ``"bf16-true"`` both train bf16 weights under DeepSpeed); ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"`` or
+    ``"sgd_momentum"``; ``reduce_bucket_size``: DeepSpeed's (Lightning's default 2e8 elements). Attention is counted
+    as a flash kernel keeps it (no ``[S, S]`` scores). Under a second on a laptop for an 8B model."""
+    world_size = world_size or sp_size
+    _validate(config, seq_len, sp_size, world_size)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not {precision!r}.")
+    dtype = PRECISIONS[precision]
+    param_bytes = torch.finfo(dtype).bits // 8
+    shard = math.ceil(seq_len / sp_size)  # the strategy pads rows to a multiple of sp_size
+    buckets = {0: 0, 1: 2, 2: 2, 3: 1}[stage] * reduce_bucket_size * param_bytes
+    traced = trace_step(config, shard, micro_batch, dtype, sp_size, gradient_buffer_bytes=buckets,
+                        gradients_leave=stage >= 1)
+    states = model_states(traced.parameters, traced.trainable, world_size, stage, param_bytes, optimizer,
+                          offload_optimizer)
+    # ZeRO 3 gathers each module's parameters for its forward and backward and prefetches the next ones (Lightning's
+    # prefetch_bucket_size 5e7 elements): modeled as the largest layer's parameters plus a prefetch bucket, not yet
+    # measured.
+    gathered = 0
+    if stage == 3:
+        layers = max(getattr(config, "num_hidden_layers", 1), 1)
+        gathered = (min(traced.parameters, traced.parameters // layers + 50_000_000)) * param_bytes
+    return MemoryPlan(seq_len, sp_size, world_size, stage, precision, micro_batch, states, traced.peak,
+                      traced.by_kind, gathered, reserved_bytes, traced.parameters)
+
+
+def longest_sequence(config: Any, budget_bytes: int, *, multiple: int = 1024, max_len: int = 1 << 26,
+                     **settings: Any) -> int:
+    """The longest ``seq_len`` (a multiple of ``multiple`` and of ``sp_size``) whose planned peak fits
+    ``budget_bytes``, 0 if none does; ``settings`` as :func:`plan_memory`'s. The peak grows linearly with the shard
+    within each phase of the step (flash attention): secant steps find the answer in a few plans."""
+    sp = settings.get("sp_size", 1)
+    step = multiple * sp // math.gcd(multiple, sp)
+    peaks: dict[int, int] = {}
+
+    def peak(length: int) -> int:
+        if length not in peaks:
+            peaks[length] = plan_memory(config, length, **settings).peak
+        return peaks[length]
+
+    if peak(step) > budget_bytes:
+        return 0
+    last, current = step, 4 * step
+    for _ in range(8):
+        slope = (peak(current) - peak(last)) / (current - last)
+        if slope <= 0:
+            break
+        guess = current + (budget_bytes - peak(current)) / slope
+        guess = min(max(int(guess) // step * step, step), max_len // step * step)
+        if guess in peaks:
+            break
+        last, current = current, guess
+    best = max((length for length, value in peaks.items() if value <= budget_bytes), default=step)
+    while best + step <= max_len and peak(best + step) <= budget_bytes:
+        best += step
+    return best
