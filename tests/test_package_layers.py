@@ -17,7 +17,7 @@ LAYERS = [
     {"data"},
     {"training"},
     {"models"},
-    {"checkpoint", "evaluation", "profiling"},
+    {"checkpoint", "evaluation", "profiling", "plan"},
     {"drift"},
     {"front_end"},
     {"strategy", "fabric", "__init__"},

@@ -106,6 +106,8 @@ class TracedStep:
     by_layer: dict[str, int]
     parameters: int
     trainable: int
+    numels: tuple[int, ...] = ()  # every parameter's element count
+    largest_layer: int = 0  # parameters of the largest block of the model's longest ModuleList (its layers)
 
 
 def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32, sp: int = 1,
@@ -140,6 +142,10 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
         for hook in hooks:
             hook.remove()
     step = tracker.result()
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    layers = max(lists, key=len) if lists else []
     return TracedStep(step.peak_bytes, dict(step.by_kind), dict(step.by_layer),
                       sum(p.numel() for p in model.parameters()),
-                      sum(p.numel() for p in model.parameters() if p.requires_grad))
+                      sum(p.numel() for p in model.parameters() if p.requires_grad),
+                      tuple(p.numel() for p in model.parameters()),
+                      max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0))

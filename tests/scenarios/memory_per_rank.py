@@ -3,8 +3,10 @@ issue model's shape (a Llama with 8 heads and a small vocabulary, where no logit
 
 from __future__ import annotations
 
+import gc
+
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_ulysses import TensorMemoryMonitor, UlyssesDeepSpeedStrategy
@@ -35,10 +37,29 @@ def run(payload: dict) -> dict:
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(1, payload["vocab"], (payload["steps"], seq_len), generator=g)
     data = [{"input_ids": r, "labels": r.clone()} for r in rows]
+    persistent: list[int] = []
+
+    class Persistent(Callback):
+        """All live tensor bytes of the process as the last step begins (the model's states, DeepSpeed's buffers,
+        the batch): what a step starts from."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == payload["steps"] - 1:
+                seen, total = set(), 0
+                for obj in gc.get_objects():
+                    if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                        key = obj.untyped_storage()._cdata
+                        if key not in seen:
+                            seen.add(key)
+                            total += obj.untyped_storage().nbytes()
+                persistent.append(total)
+
     monitor = TensorMemoryMonitor()
     strategy = UlyssesDeepSpeedStrategy(sp_size=sp, stage=payload["stage"], reduce_bucket_size=payload["bucket"],
                                         allgather_bucket_size=payload["bucket"])
-    make_trainer(strategy, payload["steps"], callbacks=[monitor]).fit(
+    make_trainer(strategy, payload["steps"], callbacks=[Persistent(), monitor],
+                 precision=payload.get("precision", "32-true")).fit(
         Module(), torch.utils.data.DataLoader(data, batch_size=1))
     last = monitor.steps[-1]
-    return {"peak": last.peak_bytes, "by_layer": last.by_layer, "by_kind": last.by_kind, "losses": losses}
+    return {"peak": last.peak_bytes, "by_layer": last.by_layer, "by_kind": last.by_kind, "losses": losses,
+            "persistent": persistent[-1]}

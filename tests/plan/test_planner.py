@@ -1,0 +1,73 @@
+"""The planner in process: its step count is the real step's, byte for byte, on a small model; its rules and its
+command. Its accuracy against launched runs at sp 1/2/4 and ZeRO 2/3: tests/profiling/test_tensor_memory.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lightning_ulysses import TensorMemoryTracker
+from lightning_ulysses.plan import longest_sequence, plan_memory
+from lightning_ulysses.plan.__main__ import main
+from lightning_ulysses.plan.activations import trace_step
+
+CONFIG = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=2, attn_implementation="sdpa")
+
+
+def test_the_traced_step_is_the_real_steps_allocations():
+    """One process, no strategy: the meta-device trace (attention as a flash kernel keeps it) against the real CPU
+    step (sdpa's flash kernel for CPU), counted by the same tracker."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CONFIG)
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 512))
+    with TensorMemoryTracker() as tracker:
+        model(input_ids=ids, labels=ids).loss.backward()
+    traced = trace_step(CONFIG, 512, batch_size=2)
+    assert traced.peak == tracker.result().peak_bytes
+    assert traced.parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_sequence_parallelism_divides_the_step_and_not_the_replicated_states():
+    one = plan_memory(CONFIG, 8192, sp_size=1, world_size=4, stage=2, reduce_bucket_size=1_000_000)
+    four = plan_memory(CONFIG, 8192, sp_size=4, world_size=4, stage=2, reduce_bucket_size=1_000_000)
+    assert four.states == one.states  # ZeRO partitions over all 4 ranks in both
+    assert four.step < 0.3 * one.step
+    zero3 = plan_memory(CONFIG, 8192, sp_size=4, world_size=4, stage=3, reduce_bucket_size=1_000_000)
+    assert zero3.states.master_and_gradients == 2 * four.states.master_and_gradients  # + the gradient partition
+    # every parameter of this model is under ZeRO 3's persistence threshold but the embeddings and the MLPs
+    assert four.states.parameters > zero3.states.parameters > four.states.parameters / 4
+
+
+def test_bad_settings_are_refused_naming_the_rule():
+    with pytest.raises(ValueError, match="8 attention heads do not split over sp_size=3"):
+        plan_memory(CONFIG, 4096, sp_size=3)
+    with pytest.raises(ValueError, match="not a multiple of sp_size 4"):
+        plan_memory(CONFIG, 4096, sp_size=4, world_size=6)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        plan_memory(CONFIG, 4096, precision="fp8")
+
+
+def test_the_longest_sequence_fits_and_the_next_does_not():
+    settings = dict(sp_size=2, stage=2, reduce_bucket_size=1_000_000)
+    budget = plan_memory(CONFIG, 40_000, **settings).peak
+    longest = longest_sequence(CONFIG, budget, multiple=1024, **settings)
+    assert plan_memory(CONFIG, longest, **settings).peak <= budget
+    assert plan_memory(CONFIG, longest + 1024, **settings).peak > budget
+    assert 38_000 <= longest <= 40_000
+    assert longest_sequence(CONFIG, 1, **settings) == 0
+
+
+def test_the_command_prints_the_plan_as_json(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(CONFIG.to_json_string())
+    assert main(["--config", str(path), "--seq-len", "4096", "--sp", "1", "2", "3", "--memory-gib", "1",
+                 "--longest", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert [p["sp_size"] for p in plans] == [1, 2, 3]
+    assert "do not split" in plans[2]["error"]
+    assert plans[1]["peak"] < plans[0]["peak"] and plans[1]["fits"]
+    assert plans[1]["longest_seq_len"] > plans[0]["longest_seq_len"] > 4096
