@@ -92,7 +92,8 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
 
     Args: as the Trainer's :class:`lightning_ulysses.UlyssesDeepSpeedStrategy` (``sp_size``, ``ring_size``,
     ``sdpa_per_document``, ``attention_modules``, ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints``,
-    ``check_sp_agreement``, ``verify_checkpoints``, ``check_model_form``, ``allow_untested_versions``), and every
+    ``check_sp_agreement``, ``verify_checkpoints``, ``check_model_form``, ``allow_untested_versions``,
+    ``memory_budget``, ``preflight``), and every
     argument of Fabric's :class:`~lightning.fabric.strategies.DeepSpeedStrategy` (``stage``, ``config``, ...) as
     keywords.
     """
@@ -112,13 +113,15 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         ring_size: int = 1,
         check_model_form: bool = True,
         allow_untested_versions: bool = False,
+        memory_budget: Optional[int] = None,
+        preflight: str = "stop",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._init_sequence_parallel(sp_size, ring_size, sdpa_per_document, attention_modules,
                                      memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints),
                                      check_sp_agreement, verify_checkpoints, check_model_form,
-                                     allow_untested_versions)
+                                     allow_untested_versions, memory_budget, preflight)
         self._steps: Optional[ForwardSteps] = None
         self._module: Optional[Module] = None  # the model set up (one per strategy)
         self._backward_sync_control = AccumulationWindow()

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 
@@ -29,6 +29,7 @@ from lightning_ulysses.parallel.layout import (
     validate_sp_size,
 )
 from lightning_ulysses.patches import PatchStack
+from lightning_ulysses.plan import preflight as preflight_check
 from lightning_ulysses.training.agreement import SPAgreement
 from lightning_ulysses.training.gradient_factor import GradientFactors
 from lightning_ulysses.training.step_context import StepContext
@@ -87,7 +88,8 @@ class SequenceParallelFrontEnd:
                                 attention_modules: Optional[Sequence[ModuleSelector]],
                                 memory_features: memory.MemoryFeatures, check_sp_agreement: bool,
                                 verify_checkpoints: bool, check_model_form: bool,
-                                allow_untested_versions: bool = False) -> None:
+                                allow_untested_versions: bool = False, memory_budget: Optional[int] = None,
+                                preflight: str = "stop") -> None:
         if sp_size is not None:
             validate_sp_size(sp_size, sp_size)  # type and sign; the world size is checked once it is known
         validate_ring_size(ring_size, sp_size if sp_size is not None else ring_size)  # divisibility once known
@@ -100,6 +102,13 @@ class SequenceParallelFrontEnd:
         self.verify_checkpoints = verify_checkpoints
         self.check_model_form = check_model_form
         self.allow_untested_versions = allow_untested_versions
+        if preflight not in preflight_check.MODES:
+            raise ValueError(f"preflight must be one of {preflight_check.MODES}, not {preflight!r}.")
+        if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
+            raise ValueError(f"memory_budget must be a positive number of bytes per rank, not {memory_budget!r}.")
+        self.memory_budget = memory_budget
+        self.preflight = preflight
+        self._preflight_skipped: Optional[str] = None
         self._drift: Optional[DriftReport] = None  # the drift check's finding, once per strategy
         self._layout: Optional[SequenceParallelLayout] = None
         self._runner: Optional[StepRunner] = None  # per stage (Trainer) or per set-up (Fabric)
@@ -138,6 +147,51 @@ class SequenceParallelFrontEnd:
                                       agree_on_tile_counts=False, gather_predictions=gather_predictions,
                                       check_model_form=self.check_model_form)
             self._runner.after_form_check = lambda: _compat.restart_zero3_trace(self.model)  # the engine by then
+            self._runner.preflight = self._preflight_first_step
+
+    def _preflight_first_step(self, shard: ShardInfo) -> None:
+        """The pre-flight memory check (:mod:`lightning_ulysses.plan.preflight`) before the first training step."""
+        if self.preflight == "off":
+            return
+        budget = self.memory_budget if self.memory_budget is not None else preflight_check.device_budget(
+            self.root_device)
+        if budget is None:
+            return  # on CPU without a budget: nothing to compare with
+        models = list(self._models.hf_models)
+        why_not = None
+        if len(models) != 1:
+            why_not = f"{len(models)} Hugging Face models are prepared (the plan counts one)"
+        elif self.ring_size > 1:
+            why_not = "ring attention is not modeled yet"
+        elif self.memory_features.any or getattr(models[0], "is_gradient_checkpointing", False):
+            why_not = "the memory switches and activation checkpointing are not modeled yet"
+        zero = (self.config or {}).get("zero_optimization", {})
+        offload = zero.get("offload_optimizer") or {}
+        settings = preflight_check.PreflightSettings(
+            sp_size=self.layout.sp_size, world_size=self.world_size, stage=int(zero.get("stage", 0)),
+            precision=preflight_check.precision_of(models[0]) if models else "32-true",
+            optimizer=preflight_check.optimizer_kind(getattr(self.model, "optimizer", None)),
+            offload_optimizer=isinstance(offload, dict) and offload.get("device", "none") != "none",
+            reduce_bucket_size=int(zero.get("reduce_bucket_size", 200_000_000)),
+            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 100_000)))
+
+        def agree(over: bool) -> bool:
+            flag = torch.tensor([int(over)], device=self.root_device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # [1]: any rank over, world
+            return bool(flag.item())
+
+        if why_not is None:
+            try:
+                preflight_check.check_first_step(models[0].config, shard.padded_len, shard.batch_size, settings,
+                                                 budget, agree, self.preflight, rank_zero_warn)
+                return
+            except preflight_check.PreflightMemoryError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a model the meta device cannot run: every rank alike
+                why_not = f"the plan could not be made ({type(err).__name__}: {err})"
+        if self._preflight_skipped is None:
+            self._preflight_skipped = why_not
+            rank_zero_info(f"UlyssesDeepSpeedStrategy's pre-flight memory check did not run: {why_not}.")
 
     @property
     def sp_size(self) -> int:

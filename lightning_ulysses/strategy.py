@@ -117,6 +117,12 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
             per process before the first step: all unchanged gives one warning line and the run goes on; any
             changed stops every rank before a weight changes, naming each. ``True`` (or the environment variable
             ``LIGHTNING_ULYSSES_ALLOW_UNTESTED=1``) turns that stop into a warning: at your own risk.
+        memory_budget: bytes per rank the pre-flight check compares the first training step's planned peak with
+            (default: on CUDA the device's free memory plus what torch holds; on CPU no check).
+        preflight: ``"stop"`` (default): before the first training step computes anything, a step planned above the
+            budget (:mod:`lightning_ulysses.plan`) stops every rank with the plan and the changes that would fit;
+            ``"warn"``: warns instead; ``"off"``. It runs for one Hugging Face causal LM without the memory switches
+            or activation checkpointing (what the plan counts; docs/planning.md).
         **kwargs: Every argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` (``stage``,
             ``offload_optimizer``, ``config``, ...).
     """
@@ -137,13 +143,15 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         ring_size: int = 1,
         check_model_form: bool = True,
         allow_untested_versions: bool = False,
+        memory_budget: Optional[int] = None,
+        preflight: str = "stop",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._init_sequence_parallel(sp_size, ring_size, sdpa_per_document, attention_modules,
                                      memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints),
                                      check_sp_agreement, verify_checkpoints, check_model_form,
-                                     allow_untested_versions)
+                                     allow_untested_versions, memory_budget, preflight)
         self.gather_predictions = gather_predictions
 
     @override

@@ -86,10 +86,14 @@ class StepRunner:
         # called after each model-form check: the front end forgets the module trace ZeRO-3 recorded in the probe
         self.after_form_check: Callable[[], None] = lambda: None
         self.backward_calls = 0  # backward passes through the strategy since the last optimizer step
+        # the front end's pre-flight memory check, before the stage's first training step computes anything
+        self.preflight: Callable[[ShardInfo], None] = lambda shard: None
+        self.preflight_pending = False
 
     def begin_stage(self) -> None:
         """A Trainer stage starts (fit, validate, test, predict): the model-form check runs before its first step."""
         self.form_check_pending = self.check_model_form
+        self.preflight_pending = True
 
     def complete_run_facts(self, gradients: GradientFactors, zero_stage_3: bool) -> None:
         """The stage's gradient factors and ZeRO-3 flag, once the DeepSpeed config is final."""
@@ -137,6 +141,9 @@ class StepRunner:
                if isinstance(batch, dict) else {})
         context.set_step_facts(replace(context.facts, step_batch_tensors=MappingProxyType(own)))
         context.record.begin_batch(train=kind == "train")
+        if kind == "train" and self.preflight_pending:
+            self.preflight_pending = False
+            self.preflight(shard)
         if self.form_check_pending:  # before the first step of this stage computes anything
             self.form_check_pending = False
             if self.models.check_form(batch, context, self.layout, self.device):

@@ -1,0 +1,125 @@
+"""The pre-flight memory check: before the first training step computes anything, the plan of that step for the
+model being trained (:func:`~lightning_ulysses.plan.plan_memory`, from the model's config, the step's padded length
+and batch size, the layout, ZeRO's settings, the optimizer and the weights' dtype) against a budget (the device's
+memory, or ``memory_budget``). A step that would not fit stops every rank with the plan and the changes that would
+fit, instead of an out-of-memory error in the middle of the step; or, with ``preflight="warn"``, warns.
+
+The check runs where the plan counts what the run does: one Hugging Face causal LM trained (more models, as a frozen
+reference beside a policy, or an own model: not checked), without the memory switches or activation checkpointing,
+which the plan does not model yet (docs/planning.md). Where it does not run, it says why once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from lightning_ulysses.plan.planner import GIB, MemoryPlan, longest_sequence, plan_memory
+
+MODES = ("stop", "warn", "off")
+
+
+class PreflightMemoryError(RuntimeError):
+    """The planned peak of the first step exceeds the budget (raised on every rank before any compute)."""
+
+
+@dataclass(frozen=True)
+class PreflightSettings:
+    """What the plan needs besides the model and the batch."""
+
+    sp_size: int
+    world_size: int
+    stage: int
+    precision: str
+    optimizer: str
+    offload_optimizer: bool
+    reduce_bucket_size: int
+    persistence_threshold: int
+
+
+def optimizer_kind(optimizer: Any) -> str:
+    """The planner's name for a (possibly wrapped) torch optimizer: its states per parameter."""
+    while hasattr(optimizer, "optimizer") and optimizer is not getattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    name = type(optimizer).__name__.lower()
+    if "sgd" in name:
+        groups = getattr(optimizer, "param_groups", [{}])
+        return "sgd_momentum" if any(g.get("momentum", 0) for g in groups) else "sgd"
+    return "adamw"  # Adam, AdamW, DeepSpeed's fused/CPU Adam, and anything unknown: the largest states
+
+
+def precision_of(model: torch.nn.Module) -> str:
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {torch.bfloat16: "bf16-true", torch.float16: "16-true"}.get(dtype, "32-true")
+
+
+def device_budget(device: torch.device) -> Optional[int]:
+    """What this rank's tensors could use: free device memory plus what torch holds allocated (``None`` on CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_allocated(device)
+
+
+def _changes_that_fit(config: Any, seq_len: int, batch_size: int, settings: PreflightSettings, budget: int,
+                      plan: Callable[..., MemoryPlan]) -> list[str]:
+    base = dict(sp_size=settings.sp_size, world_size=settings.world_size, stage=settings.stage,
+                precision=settings.precision, micro_batch=batch_size, optimizer=settings.optimizer,
+                offload_optimizer=settings.offload_optimizer, reduce_bucket_size=settings.reduce_bucket_size,
+                persistence_threshold=settings.persistence_threshold)
+    candidates = []
+    sp = settings.sp_size * 2
+    while sp <= settings.world_size:
+        if settings.world_size % sp == 0:
+            candidates.append((f"sp_size={sp}", dict(base, sp_size=sp)))
+        sp *= 2
+    if settings.stage < 3:
+        candidates.append(("stage=3", dict(base, stage=3)))
+    if not settings.offload_optimizer:
+        candidates.append(("offload_optimizer=True", dict(base, offload_optimizer=True)))
+    if settings.stage in (1, 2) and settings.reduce_bucket_size > 50_000_000:  # two buckets per rank at ZeRO 1/2
+        candidates.append(("reduce_bucket_size=5e7 (a strategy argument)", dict(base, reduce_bucket_size=50_000_000)))
+    if batch_size > 1:
+        candidates.append(("a micro-batch of 1 row", dict(base, micro_batch=1)))
+    fits = []
+    for label, settings_ in candidates:
+        try:
+            peak = plan(config, seq_len, **settings_).peak
+        except ValueError:
+            continue  # not a valid layout for this model (heads)
+        if peak <= budget:
+            fits.append(f"{label} (peak {peak / GIB:.1f} GiB)")
+    longest = longest_sequence(config, budget, **base)
+    if longest:
+        fits.append(f"rows of at most {longest} tokens with these settings")
+    return fits
+
+
+def check_first_step(config: Any, seq_len: int, batch_size: int, settings: PreflightSettings, budget: int,
+                     agree: Callable[[bool], bool], mode: str, warn: Callable[[str], None]) -> Optional[MemoryPlan]:
+    """Plan the step; if its peak exceeds ``budget`` on any rank (``agree``: the OR over all ranks), raise
+    :class:`PreflightMemoryError` (``mode="stop"``) or warn (``"warn"``). Returns the plan."""
+    plan = plan_memory(config, seq_len, sp_size=settings.sp_size, world_size=settings.world_size,
+                       stage=settings.stage, precision=settings.precision, micro_batch=batch_size,
+                       optimizer=settings.optimizer, offload_optimizer=settings.offload_optimizer,
+                       reduce_bucket_size=settings.reduce_bucket_size,
+                       persistence_threshold=settings.persistence_threshold)
+    if not agree(plan.peak > budget):
+        return plan
+    fits = _changes_that_fit(config, seq_len, batch_size, settings, budget, plan_memory)
+    message = (f"UlyssesDeepSpeedStrategy's pre-flight check: the first training step is planned at"
+               f" {plan.peak / GIB:.2f} GiB per rank, more than the {budget / GIB:.2f} GiB budget (on at least one"
+               f" rank); nothing was computed.\n{plan.table()}\nChanges that fit: "
+               + ("; ".join(fits) if fits else "none of sp_size, stage=3, offload_optimizer alone")
+               + ". The plan counts what the step allocates from the model's shapes (docs/planning.md); pass"
+               " `preflight=\"warn\"` to train anyway, or `memory_budget=` for another budget.")
+    if mode == "stop":
+        raise PreflightMemoryError(message)
+    warn(message)
+    return plan
+
+
+__all__ = ["MODES", "PreflightMemoryError", "PreflightSettings", "check_first_step", "device_budget",
+           "optimizer_kind", "precision_of"]
