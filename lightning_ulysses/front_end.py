@@ -165,6 +165,8 @@ class SequenceParallelFrontEnd:
             why_not = "ring attention is not modeled yet"
         elif self.memory_features.any or getattr(models[0], "is_gradient_checkpointing", False):
             why_not = "the memory switches and activation checkpointing are not modeled yet"
+        else:
+            why_not = preflight_check.not_validated(models[0])
         zero = (self.config or {}).get("zero_optimization", {})
         offload = zero.get("offload_optimizer") or {}
         settings = preflight_check.PreflightSettings(

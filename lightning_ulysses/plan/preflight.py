@@ -55,12 +55,34 @@ def precision_of(model: torch.nn.Module) -> str:
     return {torch.bfloat16: "bf16-true", torch.float16: "16-true"}.get(dtype, "32-true")
 
 
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def not_validated(model: torch.nn.Module) -> Optional[str]:
+    """Why the plan is not yet trusted to stop a run of ``model`` (``None``: a dense text decoder, measured):
+    MoE models (the meta device cannot know which experts tokens pick), hybrid models (their mixers' exchange is not
+    counted) and vision-language models (the vision tower is not traced)."""
+    from lightning_ulysses.models.refusals import sequence_mixers
+    from lightning_ulysses.models.vision_language import is_vision_language_model
+
+    config = getattr(model, "config", None)
+    configs = [config, getattr(config, "text_config", None)]
+    if any((getattr(c, key, 0) or 0) > 1 for c in configs if c is not None for key in _EXPERT_KEYS):
+        return "mixture-of-experts models are not yet measured against the plan"
+    if is_vision_language_model(model):
+        return "vision-language models are not yet measured against the plan"
+    if sequence_mixers(model):
+        return "hybrid models (linear attention, state-space mixers) are not yet measured against the plan"
+    return None
+
+
 def device_budget(device: torch.device) -> Optional[int]:
-    """What this rank's tensors could use: free device memory plus what torch holds allocated (``None`` on CPU)."""
+    """What this rank's tensors could use: free device memory plus what torch's caching allocator holds (reusable)
+    (``None`` on CPU)."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_allocated(device)
+    return free + torch.cuda.memory_reserved(device)
 
 
 def _changes_that_fit(config: Any, seq_len: int, batch_size: int, settings: PreflightSettings, budget: int,
@@ -122,4 +144,4 @@ def check_first_step(config: Any, seq_len: int, batch_size: int, settings: Prefl
 
 
 __all__ = ["MODES", "PreflightMemoryError", "PreflightSettings", "check_first_step", "device_budget",
-           "optimizer_kind", "precision_of"]
+           "not_validated", "optimizer_kind", "precision_of"]

@@ -71,3 +71,20 @@ def test_the_command_prints_the_plan_as_json(tmp_path, capsys):
     assert "do not split" in plans[2]["error"]
     assert plans[1]["peak"] < plans[0]["peak"] and plans[1]["fits"]
     assert plans[1]["longest_seq_len"] > plans[0]["longest_seq_len"] > 4096
+
+
+def test_the_preflight_check_stops_only_models_the_plan_was_measured_on():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_ulysses.plan.preflight import not_validated
+
+    def build(model_type, **sizes):
+        config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128, **sizes)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+
+    assert not_validated(build("llama")) is None
+    assert "mixture-of-experts" in not_validated(build("mixtral", num_local_experts=4))
+    assert "mixture-of-experts" in not_validated(build("qwen3_next"))  # a hybrid and an MoE
+    assert "hybrid" in not_validated(build("bamba"))
