@@ -108,16 +108,55 @@ class TracedStep:
     trainable: int
     numels: tuple[int, ...] = ()  # every parameter's element count
     largest_layer: int = 0  # parameters of the largest block of the model's longest ModuleList (its layers)
+    host: int = 0  # host bytes the offloaded checkpoints held at most
+
+
+@contextlib.contextmanager
+def _offload_shapes(host: list[int]) -> Iterator[None]:
+    """The strategy's checkpoint offload (:func:`lightning_ulysses.models.memory._offload_to_host`) as it behaves on an
+    accelerator, shapes only: a saved tensor leaves the device when saved and comes back as a new tensor in backward;
+    ``host`` gets the host bytes it held at most."""
+    from lightning_ulysses.models import memory
+
+    live = [0]
+
+    def offload() -> torch.autograd.graph.saved_tensors_hooks:
+        def pack(tensor: torch.Tensor) -> tuple:
+            nbytes = tensor.numel() * tensor.element_size()
+            live[0] += nbytes
+            host[0] = max(host[0], live[0])
+            return tensor.shape, tensor.dtype, nbytes
+
+        def unpack(packed: tuple) -> torch.Tensor:
+            shape, dtype, nbytes = packed
+            live[0] -= nbytes
+            return torch.empty(shape, dtype=dtype, device="meta")  # the copy back to the device
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    original = memory._offload_to_host
+    memory._offload_to_host = offload
+    try:
+        yield
+    finally:
+        memory._offload_to_host = original
 
 
 def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32, sp: int = 1,
-               gradient_buffer_bytes: int = 0, gradients_leave: bool = False) -> TracedStep:
+               gradient_buffer_bytes: int = 0, gradients_leave: bool = False, tiled_mlp: Any = 0,
+               tiled_loss: Any = 0, offload_checkpoints: bool = False,
+               gradient_checkpointing: bool = False) -> TracedStep:
     """Count one forward and backward pass of a Hugging Face causal LM built from ``config`` over one rank's
     ``[batch_size, tokens]`` shard in ``dtype``, on the meta device, with the exchange of ``sp`` ranks around
     attention. ``gradient_buffer_bytes``: what the ZeRO optimizer allocates when the first gradient arrives and keeps
     to the end of the step (ZeRO 1/2: two reduce buckets); ``gradients_leave``: each parameter's gradient leaves as
-    soon as it is complete (ZeRO copies it into its buckets and drops it)."""
+    soon as it is complete (ZeRO copies it into its buckets and drops it). ``tiled_mlp``, ``tiled_loss``,
+    ``offload_checkpoints``: the strategy's memory switches, applied by the strategy's own code (the offload as on an
+    accelerator: checkpoints in host memory); ``gradient_checkpointing``: the model's own activation checkpointing
+    (``gradient_checkpointing_enable()``)."""
     from transformers import AutoModelForCausalLM
+
+    from lightning_ulysses.models import memory
 
     name = _register(sp)
     config = copy.deepcopy(config)
@@ -125,8 +164,13 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=name, dtype=dtype)
     model.train()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    features = memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints)
+    memory.enable(model, features, None)
     ids = torch.zeros((batch_size, tokens), dtype=torch.long, device="meta")
     buffers: list[torch.Tensor] = []
+    host = [0]
 
     def first_gradient(param: torch.Tensor) -> None:
         if gradient_buffer_bytes and not buffers:
@@ -135,9 +179,10 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
             param.grad = None
 
     hooks = [p.register_post_accumulate_grad_hook(first_gradient) for p in model.parameters() if p.requires_grad]
+    targets = {"shift_labels": ids} if tiled_loss else {"labels": ids}
     try:
-        with _no_value_reads(), TensorMemoryTracker() as tracker:
-            model(input_ids=ids, labels=ids).loss.backward()
+        with _no_value_reads(), _offload_shapes(host), TensorMemoryTracker() as tracker:
+            model(input_ids=ids, **targets).loss.backward()
     finally:
         for hook in hooks:
             hook.remove()
@@ -148,4 +193,5 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
                       sum(p.numel() for p in model.parameters()),
                       sum(p.numel() for p in model.parameters() if p.requires_grad),
                       tuple(p.numel() for p in model.parameters()),
-                      max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0))
+                      max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
+                      host[0])

@@ -65,6 +65,7 @@ class MemoryPlan:
     zero3_gathered: int = 0
     reserved: int = 0
     parameters: int = 0
+    host_checkpoints: int = 0  # host bytes per rank the offloaded checkpoints hold at most (offload_checkpoints)
 
     @property
     def peak(self) -> int:
@@ -90,8 +91,9 @@ class MemoryPlan:
         lines = [head, "| part | GiB per rank |", "|---|---|"]
         lines += [f"| {name} | {size / GIB:.2f} |" for name, size in self.parts()]
         lines.append(f"| **peak** | **{self.peak / GIB:.2f}** |")
-        if self.states.host:
-            lines.append(f"(host memory per rank for the offloaded optimizer: {self.states.host / GIB:.2f} GiB)")
+        if self.states.host or self.host_checkpoints:
+            lines.append(f"(host memory per rank: {self.states.host / GIB:.2f} GiB for the offloaded optimizer,"
+                         f" {self.host_checkpoints / GIB:.2f} GiB for the offloaded checkpoints)")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,13 +119,17 @@ def _validate(config: Any, seq_len: int, sp_size: int, world_size: int) -> None:
 def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Optional[int] = None, stage: int = 2,
                 precision: str = "bf16-mixed", micro_batch: int = 1, optimizer: str = "adamw",
                 offload_optimizer: bool = False, reduce_bucket_size: int = 200_000_000,
-                persistence_threshold: int = 100_000, reserved_bytes: int = 0) -> MemoryPlan:
+                persistence_threshold: int = 100_000, reserved_bytes: int = 0, tiled_mlp: Any = 0,
+                tiled_loss: Any = 0, offload_checkpoints: bool = False,
+                gradient_checkpointing: bool = False) -> MemoryPlan:
     """Predict one rank's peak memory for training a Hugging Face causal LM built from ``config`` (a
     ``PretrainedConfig``) on rows of ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size,
     stage=stage)`` on ``world_size`` ranks (default: ``sp_size``). ``precision``: Lightning's (``"bf16-mixed"`` and
     ``"bf16-true"`` both train bf16 weights under DeepSpeed); ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"`` or
     ``"sgd_momentum"``; ``reduce_bucket_size``: DeepSpeed's (Lightning's default 2e8 elements). Attention is counted
-    as a flash kernel keeps it (no ``[S, S]`` scores). Under a second on a laptop for an 8B model."""
+    as a flash kernel keeps it (no ``[S, S]`` scores). ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints``: the
+    strategy's memory switches (run by the strategy's own code in the trace; the offload as on an accelerator);
+    ``gradient_checkpointing``: the model's ``gradient_checkpointing_enable()``. About a second for an 8B model."""
     world_size = world_size or sp_size
     _validate(config, seq_len, sp_size, world_size)
     if precision not in PRECISIONS:
@@ -133,7 +139,8 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
     shard = math.ceil(seq_len / sp_size)  # the strategy pads rows to a multiple of sp_size
     buckets = 2 * reduce_bucket_size * param_bytes if stage in (1, 2) else 0  # ZeRO 1/2: two, from the first gradient
     traced = trace_step(config, shard, micro_batch, dtype, sp_size, gradient_buffer_bytes=buckets,
-                        gradients_leave=stage >= 1)
+                        gradients_leave=stage >= 1, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
+                        offload_checkpoints=offload_checkpoints, gradient_checkpointing=gradient_checkpointing)
     states = model_states(traced.numels, traced.trainable, world_size, stage, param_bytes, optimizer,
                           offload_optimizer, persistence_threshold, reduce_bucket_size)
     # ZeRO 3 gathers each layer's parameters for its forward and backward while it prefetches the next layer's:
@@ -141,7 +148,7 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
     # of the measured one)
     gathered = 2 * traced.largest_layer * param_bytes if stage == 3 else 0
     return MemoryPlan(seq_len, sp_size, world_size, stage, precision, micro_batch, states, traced.peak,
-                      traced.by_kind, gathered, reserved_bytes, traced.parameters)
+                      traced.by_kind, gathered, reserved_bytes, traced.parameters, traced.host)
 
 
 def longest_sequence(config: Any, budget_bytes: int, *, multiple: int = 1024, max_len: int = 1 << 26,

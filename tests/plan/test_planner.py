@@ -88,3 +88,31 @@ def test_the_preflight_check_stops_only_models_the_plan_was_measured_on():
     assert "mixture-of-experts" in not_validated(build("mixtral", num_local_experts=4))
     assert "mixture-of-experts" in not_validated(build("qwen3_next"))  # a hybrid and an MoE
     assert "hybrid" in not_validated(build("bamba"))
+
+
+@pytest.mark.parametrize("tiled_mlp,tiled_loss", [(4, 0), (0, 4), (4, 4)])
+def test_the_memory_switches_are_traced_with_the_strategys_own_code(tiled_mlp, tiled_loss):
+    """Tiled MLP and tiled loss in the trace against the real CPU step with the same switches (byte for byte)."""
+    from lightning_ulysses.models import memory
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CONFIG)
+    memory.enable(model, memory.MemoryFeatures(tiled_mlp, tiled_loss, False), None)
+    ids = torch.randint(0, CONFIG.vocab_size, (1, 1024))
+    targets = {"shift_labels": ids} if tiled_loss else {"labels": ids}
+    with TensorMemoryTracker() as tracker:
+        model(input_ids=ids, **targets).loss.backward()
+    traced = trace_step(CONFIG, 1024, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss)
+    assert traced.peak == tracker.result().peak_bytes
+    assert traced.peak < trace_step(CONFIG, 1024).peak
+
+
+def test_offloaded_checkpoints_leave_the_device_for_the_host():
+    """With offload_checkpoints the layers are checkpointed and their saved inputs held in host memory (as on an
+    accelerator; on CPU the strategy keeps them where they are)."""
+    plain = trace_step(CONFIG, 4096)
+    offloaded = trace_step(CONFIG, 4096, offload_checkpoints=True)
+    checkpointed = trace_step(CONFIG, 4096, gradient_checkpointing=True)
+    assert offloaded.peak < checkpointed.peak < plain.peak
+    assert offloaded.host >= CONFIG.num_hidden_layers * 4096 * CONFIG.hidden_size * 4  # each layer's input at least
+    assert plain.host == checkpointed.host == 0
