@@ -72,9 +72,27 @@ def test_layers_and_kinds_are_named_by_module_paths():
 PAYLOAD = {"seq_len": 4096, "hidden": 256, "layers": 2, "vocab": 512, "steps": 2, "stage": 2, "bucket": 1_000_000}
 
 
+# ZeRO 3 with bf16, whole parameters only under the persistence threshold (2 layers, S = 2048, sp = 2): in the sp=2
+# launch
+ZERO3_BF16 = {**PAYLOAD, "seq_len": 2048, "stage": 3, "precision": "bf16-mixed", "sp": 2}
+
+
 @pytest.fixture(scope="module")
-def per_sp():
-    return {sp: launch(sp, "memory_per_rank:run", {**PAYLOAD, "sp": sp}) for sp in (1, 2, 4)}
+def launched():
+    found = {sp: launch(sp, "memory_per_rank:run", {"runs": [{**PAYLOAD, "sp": sp}] + ([ZERO3_BF16] if sp == 2 else [])})
+             for sp in (1, 2, 4)}
+    return {"per_sp": {sp: [r["runs"][0] for r in ranks] for sp, ranks in found.items()},
+            "zero3_bf16": [r["runs"][1] for r in found[2]]}
+
+
+@pytest.fixture(scope="module")
+def per_sp(launched):
+    return launched["per_sp"]
+
+
+@pytest.fixture(scope="module")
+def zero3_bf16(launched):
+    return launched["zero3_bf16"]
 
 
 @pytest.mark.multiprocess
@@ -99,15 +117,6 @@ def test_no_layer_keeps_more_per_token_than_one_device_but_the_exchanged_attenti
         per_token = {sp: per_sp[sp][0]["by_layer"][layer] / tokens[sp] for sp in (1, 2, 4)}
         assert per_token[2] == pytest.approx(per_token[1] + one_copy, rel=0.01), per_token
         assert per_token[4] == pytest.approx(per_token[2], rel=0.01), per_token
-
-
-# ZeRO 3 with bf16, whole parameters only under the persistence threshold (2 layers, S = 2048, sp = 2)
-ZERO3_BF16 = {**PAYLOAD, "seq_len": 2048, "stage": 3, "precision": "bf16-mixed", "sp": 2}
-
-
-@pytest.fixture(scope="module")
-def zero3_bf16():
-    return launch(2, "memory_per_rank:run", ZERO3_BF16)
 
 
 def _plan_config(payload):

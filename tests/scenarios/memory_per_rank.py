@@ -14,6 +14,13 @@ from tests.support.training import make_trainer
 
 
 def run(payload: dict) -> dict:
+    """One fit, or with ``payload["runs"]`` several (one launch): their results in order."""
+    if "runs" in payload:
+        return {"runs": [_fit(run) for run in payload["runs"]]}
+    return _fit(payload)
+
+
+def _fit(payload: dict) -> dict:
     sp, seq_len, hidden = payload["sp"], payload["seq_len"], payload["hidden"]
     losses: list[float] = []
 
