@@ -45,21 +45,15 @@ def _fit(payload: dict) -> dict:
     rows = torch.randint(1, payload["vocab"], (payload["steps"], seq_len), generator=g)
     data = [{"input_ids": r, "labels": r.clone()} for r in rows]
     persistent: list[int] = []
+    before = _live_tensor_bytes()  # what an earlier fit in this process still holds
 
     class Persistent(Callback):
-        """All live tensor bytes of the process as the last step begins (the model's states, DeepSpeed's buffers,
+        """The live tensor bytes this fit added as its last step begins (the model's states, DeepSpeed's buffers,
         the batch): what a step starts from."""
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == payload["steps"] - 1:
-                seen, total = set(), 0
-                for obj in gc.get_objects():
-                    if isinstance(obj, torch.Tensor) and not obj.is_meta:
-                        key = obj.untyped_storage()._cdata
-                        if key not in seen:
-                            seen.add(key)
-                            total += obj.untyped_storage().nbytes()
-                persistent.append(total)
+                persistent.append(_live_tensor_bytes() - before)
 
     monitor = TensorMemoryMonitor()
     strategy = UlyssesDeepSpeedStrategy(sp_size=sp, stage=payload["stage"], reduce_bucket_size=payload["bucket"],
@@ -70,3 +64,15 @@ def _fit(payload: dict) -> dict:
     last = monitor.steps[-1]
     return {"peak": last.peak_bytes, "by_layer": last.by_layer, "by_kind": last.by_kind, "losses": losses,
             "persistent": persistent[-1]}
+
+
+def _live_tensor_bytes() -> int:
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            key = obj.untyped_storage()._cdata
+            if key not in seen:
+                seen.add(key)
+                total += obj.untyped_storage().nbytes()
+    return total
