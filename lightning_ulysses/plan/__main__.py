@@ -36,6 +36,10 @@ def _config(args: argparse.Namespace) -> Any:
     return AutoConfig.for_model(args.model_type, **{k: v for k, v in sizes.items() if v is not None})
 
 
+def _tiles(value: str) -> Any:
+    return value if value == "auto" else int(value)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_ulysses.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="a transformers config.json, or a folder holding one")
@@ -55,6 +59,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--reduce-bucket-size", type=int, default=200_000_000)
     parser.add_argument("--reserved-gib", type=float, default=0.0,
                         help="the device's fixed cost per rank (CUDA context, allocator, NCCL); not yet measured")
+    parser.add_argument("--tiled-mlp", default="0", help="the strategy's tiled_mlp: a tile count or auto")
+    parser.add_argument("--tiled-loss", default="0", help="the strategy's tiled_loss: a chunk count or auto")
+    parser.add_argument("--offload-checkpoints", action="store_true", help="the strategy's offload_checkpoints")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="the model's gradient_checkpointing_enable()")
     parser.add_argument("--longest", action="store_true", help="also find the longest sequence that fits")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of tables")
     args = parser.parse_args(argv)
@@ -66,7 +75,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         settings = dict(sp_size=sp, world_size=args.gpus or sp, stage=args.stage, precision=args.precision,
                         micro_batch=args.micro_batch, optimizer=args.optimizer,
                         offload_optimizer=args.offload_optimizer, reduce_bucket_size=args.reduce_bucket_size,
-                        reserved_bytes=int(args.reserved_gib * GIB))
+                        reserved_bytes=int(args.reserved_gib * GIB), tiled_mlp=_tiles(args.tiled_mlp),
+                        tiled_loss=_tiles(args.tiled_loss), offload_checkpoints=args.offload_checkpoints,
+                        gradient_checkpointing=args.gradient_checkpointing)
         try:
             plan = plan_memory(config, args.seq_len, **settings)
         except ValueError as err:
