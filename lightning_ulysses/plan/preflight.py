@@ -4,9 +4,10 @@ and batch size, the layout, ZeRO's settings, the optimizer and the weights' dtyp
 memory, or ``memory_budget``). A step that would not fit stops every rank with the plan and the changes that would
 fit, instead of an out-of-memory error in the middle of the step; or, with ``preflight="warn"``, warns.
 
-The check runs where the plan counts what the run does: one Hugging Face causal LM trained (more models, as a frozen
-reference beside a policy, or an own model: not checked), without the memory switches or activation checkpointing,
-which the plan does not model yet (docs/planning.md). Where it does not run, it says why once.
+The check runs where the plan was measured against the run: one dense Hugging Face causal LM trained (more models,
+as a frozen reference beside a policy, an own model, MoE, hybrid or vision-language models: not checked), without the
+memory switches, activation checkpointing or ring attention (docs/planning.md). Where it does not run, it says why
+once.
 """
 
 from __future__ import annotations
