@@ -160,7 +160,7 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
                       reserved_bytes, traced.parameters, traced.host)
 
 
-def longest_sequence(config: Any, budget_bytes: int, *, multiple: int = 1024, max_len: int = 1 << 26,
+def longest_sequence(config: Any, budget_bytes: int, *, multiple: int = 1024, max_len: int = 1 << 24,
                      **settings: Any) -> int:
     """The longest ``seq_len`` (a multiple of ``multiple`` and of ``sp_size``) whose planned peak fits
     ``budget_bytes``, 0 if none does; ``settings`` as :func:`plan_memory`'s. The peak grows linearly with the shard
@@ -182,6 +182,7 @@ def longest_sequence(config: Any, budget_bytes: int, *, multiple: int = 1024, ma
         if slope <= 0:
             break
         guess = current + (budget_bytes - peak(current)) / slope
+        guess = min(guess, 8 * current)  # at most 8x per plan: a trace's cost grows with the tile counts
         guess = min(max(int(guess) // step * step, step), max_len // step * step)
         if guess in peaks:
             break
