@@ -167,25 +167,11 @@ class SequenceParallelFrontEnd:
             why_not = "the memory switches and activation checkpointing are not modeled yet"
         else:
             why_not = preflight_check.not_validated(models[0])
-        zero = (self.config or {}).get("zero_optimization", {})
-        offload = zero.get("offload_optimizer") or {}
-        settings = preflight_check.PreflightSettings(
-            sp_size=self.layout.sp_size, world_size=self.world_size, stage=int(zero.get("stage", 0)),
-            precision=preflight_check.precision_of(models[0]) if models else "32-true",
-            optimizer=preflight_check.optimizer_kind(getattr(self.model, "optimizer", None)),
-            offload_optimizer=isinstance(offload, dict) and offload.get("device", "none") != "none",
-            reduce_bucket_size=int(zero.get("reduce_bucket_size", 200_000_000)),
-            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 100_000)))
-
-        def agree(over: bool) -> bool:
-            flag = torch.tensor([int(over)], device=self.root_device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # [1]: any rank over, world
-            return bool(flag.item())
-
         if why_not is None:
             try:
-                preflight_check.check_first_step(models[0].config, shard.padded_len, shard.batch_size, settings,
-                                                 budget, agree, self.preflight, rank_zero_warn)
+                preflight_check.check_first_step(models[0].config, shard.padded_len, shard.batch_size,
+                                                 self._preflight_settings(models[0]), budget, self._any_rank,
+                                                 self.preflight, rank_zero_warn)
                 return
             except preflight_check.PreflightMemoryError:
                 raise
@@ -194,6 +180,23 @@ class SequenceParallelFrontEnd:
         if self._preflight_skipped is None:
             self._preflight_skipped = why_not
             rank_zero_info(f"UlyssesDeepSpeedStrategy's pre-flight memory check did not run: {why_not}.")
+
+    def _preflight_settings(self, model: Module) -> "preflight_check.PreflightSettings":
+        """What the plan needs besides the model and the batch, from the layout and the final DeepSpeed config."""
+        zero = (self.config or {}).get("zero_optimization", {})
+        offload = zero.get("offload_optimizer") or {}
+        return preflight_check.PreflightSettings(
+            sp_size=self.layout.sp_size, world_size=self.world_size, stage=int(zero.get("stage", 0)),
+            precision=preflight_check.precision_of(model),
+            optimizer=preflight_check.optimizer_kind(getattr(self.model, "optimizer", None)),
+            offload_optimizer=isinstance(offload, dict) and offload.get("device", "none") != "none",
+            reduce_bucket_size=int(zero.get("reduce_bucket_size", 200_000_000)),
+            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 100_000)))
+
+    def _any_rank(self, over: bool) -> bool:
+        flag = torch.tensor([int(over)], device=self.root_device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # [1]: any rank over, world
+        return bool(flag.item())
 
     @property
     def sp_size(self) -> int:

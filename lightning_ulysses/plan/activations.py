@@ -44,11 +44,9 @@ class _FlashShapes(torch.autograd.Function):
         # the kernels lay it out: the caller's transpose back and reshape to [B, S, h·Dv] are views, no copy
         lse = q.new_empty((B, h, S), dtype=torch.float32)
         ctx.sp = sp
-        if sp > 1:
-            back = q.new_empty((B, S, h, v.shape[-1]))  # the output exchanged back: what the caller holds
-            ctx.save_for_backward(q, k, v, out, lse)
-            return back.transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
+        if sp > 1:  # the output exchanged back to sequence shards is what the caller holds: a second tensor
+            return q.new_empty((B, S, h, v.shape[-1])).transpose(1, 2)
         return out
 
     @staticmethod

@@ -44,10 +44,8 @@ def optimizer_kind(optimizer: Any) -> str:
     """The planner's name for a (possibly wrapped) torch optimizer: its states per parameter."""
     while hasattr(optimizer, "optimizer") and optimizer is not getattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
-    name = type(optimizer).__name__.lower()
-    if "sgd" in name:
-        groups = getattr(optimizer, "param_groups", [{}])
-        return "sgd_momentum" if any(g.get("momentum", 0) for g in groups) else "sgd"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd_momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
     return "adamw"  # Adam, AdamW, DeepSpeed's fused/CPU Adam, and anything unknown: the largest states
 
 
