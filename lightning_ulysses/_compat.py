@@ -385,6 +385,16 @@ def model_from_config(model_class: Any, config: Any, **kwargs: Any) -> Any:
     return model_class._from_config(config, **kwargs)
 
 
+# The prefix of the attention implementations the strategy registers in transformers' attention interface
+# (``ulysses_sdpa`` wraps ``sdpa``, ...).
+ATTENTION_PREFIX = "ulysses_"
+
+
+def inner_attention_implementation(config: Any) -> str:
+    """The config's attention implementation without the strategy's prefix (``sdpa``, ``flash_attention_2``, ...)."""
+    return attention_implementation(config).removeprefix(ATTENTION_PREFIX)
+
+
 def attention_implementation(config: Any) -> str:
     """The attention implementation a transformers config dispatches to (``"sdpa"``, ``"flash_attention_2"``, ...)."""
     return config._attn_implementation

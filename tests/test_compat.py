@@ -150,7 +150,7 @@ def test_the_decoders_that_pack_only_from_four_row_positions_are_those_the_table
     """:data:`PACKING_FROM_FOUR_ROWS` is re-derived from the installed transformers: the modeling modules whose
     decoder takes text positions from ``[4, B, S]`` positions only (``position_ids.shape[0] == 4``): exactly them on
     the tested transformers (at run time on another version, only a decoder the table lacks stops a run)."""
-    from lightning_ulysses.models.multimodal_positions import PACKING_FROM_FOUR_ROWS
+    from lightning_ulysses.families.multimodal_positions import PACKING_FROM_FOUR_ROWS
 
     found = decoders_packing_from_four_rows()
     assert found == PACKING_FROM_FOUR_ROWS, (sorted(found - PACKING_FROM_FOUR_ROWS),

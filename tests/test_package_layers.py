@@ -16,6 +16,7 @@ LAYERS = [
     {"parallel"},
     {"data"},
     {"training"},
+    {"families"},
     {"models"},
     {"checkpoint", "evaluation", "profiling", "plan"},
     {"drift"},
@@ -81,3 +82,16 @@ def test_no_module_imports_itself_back():
         if not state.get(name):
             visit(name, [name])
     assert not cycles, cycles
+
+
+def test_no_sub_package_holds_more_than_thirty_percent_of_the_lines():
+    """Each folder is one concern of a size a reader can hold: none has more than 30% of the package's lines."""
+    lines = {path: len(path.read_text().splitlines()) for path in ROOT.rglob("*.py")}
+    total = sum(lines.values())
+    shares = {}
+    for path, count in lines.items():
+        parts = path.relative_to(ROOT).parts
+        if len(parts) > 1:
+            shares[parts[0]] = shares.get(parts[0], 0) + count
+    too_big = {name: f"{count / total:.0%}" for name, count in shares.items() if count > 0.30 * total}
+    assert not too_big, f"sub-packages over 30% of the package's {total} lines: {too_big}"

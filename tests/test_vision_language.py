@@ -148,7 +148,7 @@ def test_flat_packed_positions_on_an_m_rope_decoder_are_refused_with_the_four_ro
     (a Llama decoder packs from ``[B, S]``) and ``[4, B, S]`` positions pass."""
     import torch
 
-    from lightning_ulysses.models.multimodal_positions import refuse_flat_packed_positions
+    from lightning_ulysses.families.multimodal_positions import refuse_flat_packed_positions
     from tests.support.vision import batches, build_model, packed_batches
 
     for batch in (dict(batches()[0]), {"input_ids": batches()[3]["input_ids"][1:]}):
@@ -169,7 +169,7 @@ def test_four_row_positions_are_cut_with_the_tokens():
     import torch
 
     from lightning_ulysses.data.sharding import shard_batch
-    from lightning_ulysses.models.multimodal_positions import multimodal_call_positions
+    from lightning_ulysses.families.multimodal_positions import multimodal_call_positions
     from tests.support.vision import packed_batches
 
     batch = packed_batches("qwen2_vl")[0]

@@ -157,8 +157,8 @@ def test_a_text_only_call_gets_no_blocks():
     """Without ``token_type_ids``, or with types that mark no image, the call stays causal as before (no blocks
     handed to the attention)."""
     from lightning_ulysses.data.sharding import shard_batch
-    from lightning_ulysses.models.hf_attention import IMAGE_BLOCKS_KWARG
-    from lightning_ulysses.models.vision_families import family_of
+    from lightning_ulysses.parallel.image_blocks import IMAGE_BLOCKS_KWARG
+    from lightning_ulysses.families.vision import family_of
     from tests.support.vision_gemma3 import build_model
 
     model = build_model()
@@ -177,7 +177,7 @@ def test_image_blocks_are_refused_where_they_would_not_be_exact(case, match):
     that is bidirectional already, each with what to change."""
     from lightning_ulysses import _compat
     from lightning_ulysses.data.sharding import shard_batch
-    from lightning_ulysses.models.vision_families import family_of
+    from lightning_ulysses.families.vision import family_of
     from tests.support.vision_gemma3 import batches, build_model
 
     model = build_model()

@@ -1,5 +1,5 @@
 """Llama 4 with images trains under SP as on one device: its image tiles are units of the vision tower, split over
-the SP ranks and their feature rows exchanged (:mod:`lightning_ulysses.models.vision_families.llama4`), the text
+the SP ranks and their feature rows exchanged (:mod:`lightning_ulysses.families.vision.llama4`), the text
 model with chunked attention (8-token chunks, shorter than the shards) and a NoPE layer with temperature tuning. An
 image whose placeholders straddle the shard boundary, several images, padded rows, text only; the vision tower and
 projector included. SGD, fp32, 4 steps against plain transformers on one process, at ZeRO 2 and at ZeRO 3 with

@@ -43,7 +43,7 @@ def test_the_images_and_frames_are_split_and_the_collectives_pinned(trained):
     tiles the two ranks encode add up to the batch's units' (an image's tiles; OneVision's row of two images: their
     base tiles), plus a blank image's on a rank without a unit; (b)'s two images of different tile counts go to
     different ranks, and the video's three frames are spread (2 + 1)."""
-    from lightning_ulysses.models.vision_families import IMAGE, family_of
+    from lightning_ulysses.families.vision import IMAGE, family_of
     from tests.support.models import lightning_order
     from tests.support.vision import SEED
 
@@ -85,7 +85,7 @@ def _prepared_call(batch: dict):
 def _tiles_flattened(family: str, model: torch.nn.Module, batch: dict) -> dict:
     """The batch with ``pixel_values`` ``[all tiles, C, H, W]`` (each image's tiles the model takes, in turn), the
     model's other form."""
-    from lightning_ulysses.models.vision_families.llava_next import tiles_of
+    from lightning_ulysses.families.vision.llava_next import tiles_of
 
     per_row = batch.get("batch_num_images") if family == "llava_onevision" else None
     images = batch["pixel_values"].shape[0]
@@ -125,7 +125,7 @@ def test_runs_of_units_encode_to_the_rows_of_the_whole(family):
     """Every run of units (images, OneVision's multi-image rows as one, a video's frames; both forms of
     ``pixel_values``) encodes to its slice of the whole batch's feature rows, with the row counts the exchange is
     told."""
-    from lightning_ulysses.models.vision_families import IMAGE, VIDEO, family_of
+    from lightning_ulysses.families.vision import IMAGE, VIDEO, family_of
 
     model = build_model(family).eval()
     inner, adapter = model.model, family_of(family)
@@ -154,7 +154,7 @@ def test_a_dummy_encoding_takes_the_calls_feature_options():
     """A rank without an image of its own encodes a blank one with the call's ``vision_feature_layer`` too, so its
     vision tower touches the same weights as the ranks with images (ZeRO's reductions stay in step)."""
     from lightning_ulysses.models import vision_language
-    from lightning_ulysses.models.vision_families import IMAGE, VIDEO, family_of
+    from lightning_ulysses.families.vision import IMAGE, VIDEO, family_of
     from lightning_ulysses.training.step_context import StepContext
 
     model = build_model("llava_onevision")
@@ -180,7 +180,7 @@ def test_the_per_image_keys_are_never_cut():
 
 
 def test_images_that_batch_num_images_does_not_count_are_refused_before_encoding():
-    from lightning_ulysses.models.vision_families import IMAGE, family_of
+    from lightning_ulysses.families.vision import IMAGE, family_of
 
     model = build_model("llava_onevision")
     batch = dict(batches("llava_onevision")[1])  # two rows of one image each

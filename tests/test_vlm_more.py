@@ -97,7 +97,7 @@ def test_units_are_independent_in_the_vision_tower():
     an image of a single feature row, which transformers' own call cannot take alone)."""
     import torch
 
-    from lightning_ulysses.models.vision_families import IMAGE, family_of
+    from lightning_ulysses.families.vision import IMAGE, family_of
     from tests.support.vision_more import build_model, selected_batches
 
     for family in ("internvl", "mistral3"):
@@ -116,7 +116,7 @@ def test_units_are_independent_in_the_vision_tower():
 def test_mistral3_rows_per_image_follow_image_sizes_and_a_mismatch_is_refused():
     import torch
 
-    from lightning_ulysses.models.vision_families import IMAGE, family_of
+    from lightning_ulysses.families.vision import IMAGE, family_of
     from tests.support.vision_more import build_model, selected_batches
     from tests.test_vision_language import _prepared_call
 

@@ -391,12 +391,9 @@ def _hook_registries() -> None:
 # ================================================================================================ transformers
 @touch_point("transformers: config._attn_implementation reaches the sub-configs", "transformers")
 def _attention_implementation() -> None:
-    from transformers import Gemma3Config
+    from lightning_ulysses.families.reference import composite_config
 
-    config = Gemma3Config(text_config={"num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32,
-                                       "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8},
-                          vision_config={"num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32,
-                                         "num_attention_heads": 2})
+    config = composite_config()
     for name in ("eager", "sdpa"):
         _compat.set_attention_implementation(config, name)
         expect(_compat.attention_implementation(config) == name
@@ -416,12 +413,11 @@ def _deepspeed_switch() -> None:
 
 @touch_point("transformers: PreTrainedModel._from_config", "transformers")
 def _model_from_config() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from lightning_ulysses.families.reference import reference_decoder
 
-    config = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
-    model = _compat.model_from_config(LlamaForCausalLM, config, attn_implementation="sdpa", dtype=torch.float32)
-    expect(type(model) is LlamaForCausalLM and _compat.attention_implementation(model.config) == "sdpa",
+    decoder_class, config = reference_decoder()
+    model = _compat.model_from_config(decoder_class, config, attn_implementation="sdpa", dtype=torch.float32)
+    expect(type(model) is decoder_class and _compat.attention_implementation(model.config) == "sdpa",
            "_from_config no longer builds the class with the given attention implementation")
 
 
@@ -438,7 +434,7 @@ def decoders_packing_from_four_rows() -> set[str]:
 @touch_point("transformers: the decoders that pack only from [4, B, S] positions", "transformers")
 def _packing_from_four_rows() -> None:
     """No decoder the packing rule does not know (one that left the table is no risk: its table entry only refuses)."""
-    from lightning_ulysses.models.multimodal_positions import PACKING_FROM_FOUR_ROWS
+    from lightning_ulysses.families.multimodal_positions import PACKING_FROM_FOUR_ROWS
 
     unknown = sorted(decoders_packing_from_four_rows() - PACKING_FROM_FOUR_ROWS)
     expect(not unknown, f"decoders that read packed samples only from [4, B, S] positions the packing rule does"

@@ -32,7 +32,7 @@ from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.data.halo import shift_labels_across_shards
 from lightning_ulysses.models import position_numbering, vision_language
-from lightning_ulysses.models.multimodal_positions import (given_multimodal_positions, multimodal_call_positions,
+from lightning_ulysses.families.multimodal_positions import (given_multimodal_positions, multimodal_call_positions,
                                                            refuse_flat_packed_positions)
 from lightning_ulysses.training.step_context import StepContext
 

@@ -12,7 +12,7 @@ itself. Attention modules that call torch's SDPA directly instead of going throu
 
 A call whose image tokens attend to each other both ways (Gemma 3 in training) carries its blocks in the keyword
 :data:`IMAGE_BLOCKS_KWARG` (an :class:`~lightning_ulysses.parallel.image_blocks.ImageBlocks`, set by the call's
-completion, :mod:`lightning_ulysses.models.vision_families.gemma3`); transformers hands a model call's extra keywords
+completion, :mod:`lightning_ulysses.families.vision.gemma3`); transformers hands a model call's extra keywords
 down to every attention call, so the blocks travel with the call (also into an activation checkpoint's recompute).
 Only such calls take the block path (:func:`~lightning_ulysses.parallel.image_blocks.attend_image_blocks`).
 """
@@ -30,18 +30,17 @@ from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.parallel.exchange import (head_counts, head_to_sequence_shards,
                                                 sequence_to_head_shards)
 from lightning_ulysses.parallel.sinks import sink_attention
-from lightning_ulysses.parallel.image_blocks import ImageBlocks, attend_image_blocks
+from lightning_ulysses._compat import ATTENTION_PREFIX
+from lightning_ulysses.parallel.image_blocks import (IMAGE_BLOCKS_KWARG, ImageBlocks, attend_image_blocks,
+                                                 refuse_unsupported_image_blocks)
 from lightning_ulysses.parallel.ring import causal_window_mask, document_ids, ring_attention
 from lightning_ulysses.training.step_context import StepContext
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
-ATTENTION_PREFIX = "ulysses_"
 
 CONTEXT_ATTRIBUTE = "_ulysses_step_context"
 
-# The keyword of a model call (and so of its attention calls) that carries its bidirectional image blocks.
-IMAGE_BLOCKS_KWARG = "ulysses_image_blocks"
 
 
 # Keyword arguments that describe the *local* shard's positions; the attention over the full sequence must not see them.
@@ -62,8 +61,12 @@ class _LocalHeadsView:
 
 def attention_implementation(model: nn.Module) -> str:
     """The model's attention implementation without the Ulysses prefix (``sdpa``, ``flash_attention_2``, ...)."""
-    impl = _compat.attention_implementation(model.config)
-    return impl[len(ATTENTION_PREFIX):] if impl.startswith(ATTENTION_PREFIX) else impl
+    return _compat.inner_attention_implementation(model.config)
+
+
+def _packed(context: StepContext) -> bool:
+    """Whether the step's rows pack several samples."""
+    return context.shard_info is not None and context.shard_info.packed
 
 
 def keeps_documents_apart(impl: str, sdpa_per_document: bool) -> bool:
@@ -240,8 +243,8 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
             sinks = None
         _refuse_unshardable_inputs(module, attention_mask, kwargs)
         if blocks:  # refused before the forward already (the call's completion); kept here for any other caller
-            refuse_unsupported_image_blocks(type(module).__name__, inner_name, context,
-                                            bool(getattr(module, "is_causal", True)))
+            refuse_unsupported_image_blocks(type(module).__name__, inner_name, context.ring_size,
+                                            _packed(context), bool(getattr(module, "is_causal", True)))
         group = context.ulysses_group
         query = global_query_temperature(module, query, context.shard_info)
         chunk = chunk_size_of(module)
@@ -307,30 +310,6 @@ def _masked_attention(inner: Callable, module: Any, kwargs: dict[str, Any]) -> C
         return inner(module, q, k, v, None if mask is None else mask[None, None], **not_causal)[0]
 
     return attend
-
-
-def refuse_unsupported_image_blocks(name: str, inner_name: str, context: StepContext, causal: bool = True) -> None:
-    """Bidirectional image blocks are exact with ``sdpa``, Ulysses only (``ring_size=1``), one sample per row, on a
-    causal decoder; refuse anything else before it computes."""
-    shard = context.shard_info
-    problem = None
-    if inner_name != "sdpa":
-        problem = (f"attn_implementation {inner_name!r}: the block attention runs through 'sdpa' only; load the model"
-                   " with attn_implementation='sdpa'")
-    elif context.ring_size > 1:
-        problem = (f"ring attention (ring_size={context.ring_size}) does not attend within image blocks; use"
-                   " ring_size=1 (Ulysses only)")
-    elif shard is not None and shard.packed:
-        problem = "rows that pack several samples; give one sample per row (right-padded)"
-    elif not causal:
-        problem = "a layer that attends bidirectionally already (use_bidirectional_attention); train it causal"
-    if problem is not None:
-        raise ValueError(
-            f"{name} is called with image tokens that attend to each other both ways (`token_type_ids` marks image"
-            f" blocks, as in Gemma 3's training), which sequence parallelism supports exactly except with {problem}."
-            " Or leave `token_type_ids` out of the call (then every token attends causally, as one device does"
-            " without them)."
-        )
 
 
 # Tensors some models hand their attention besides q, k, v (additive position biases, attention sinks): the exchange

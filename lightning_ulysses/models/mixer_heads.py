@@ -15,13 +15,13 @@ rank ``j`` of the SP group (:mod:`lightning_ulysses.models.mixers` drives it):
    projection returns its input, this rank's heads' output over the whole sequence;
 3. that goes back by the reverse all-to-all (head shards -> sequence shards), and the output projection runs on the
    shard with every head, after the family's gate or gated norm where it has one (a
-   :class:`~lightning_ulysses.models.head_slicing.Deferral`: its gate is a projection of the shard's input, so it
+   :class:`~lightning_ulysses.families.mixers.head_slicing.Deferral`: its gate is a projection of the shard's input, so it
    never travels).
 
 Exact (the forward is bitwise the one device's: the shard's projections are the full ones, row by row), and the
 mixer's activations and compute per rank fall by ``sp``, as its bytes do. A family is one recipe returning a
-:class:`~lightning_ulysses.models.head_slicing.HeadSlicing`, one module of
-:mod:`lightning_ulysses.models.mixer_families`, chosen by what the module *is* (its attributes and submodules); this
+:class:`~lightning_ulysses.families.mixers.head_slicing.HeadSlicing`, one module of
+:mod:`lightning_ulysses.families.mixers`, chosen by what the module *is* (its attributes and submodules); this
 module applies the recipes (:func:`head_slicing` picks one, :func:`narrowed` applies it). Heads that ``sp`` does
 not divide split unevenly (the first ranks take one more, as attention's heads do). The narrowed submodules and
 parameters shadow the real ones through the module's instance ``__dict__``, so the parameter registries DeepSpeed
@@ -46,15 +46,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ulysses.models.head_slicing import HeadSlicing
-from lightning_ulysses.models.mixer_families import FAMILIES
+from lightning_ulysses.families.mixers.head_slicing import HeadSlicing
+from lightning_ulysses.families.mixers import FAMILIES
 from lightning_ulysses.parallel.exchange import all_reduce_sum
 from lightning_ulysses.patches import replaced
 
 
 def head_slicing(module: nn.Module, rank: int, size: int, group: Any = None,
                  device: Optional[torch.device] = None) -> Optional[HeadSlicing]:
-    """The first family recipe of :data:`lightning_ulysses.models.mixer_families.FAMILIES` that applies to ``module``
+    """The first family recipe of :data:`lightning_ulysses.families.mixers.FAMILIES` that applies to ``module``
     (``None``: the mixer runs whole), its indices on ``device`` (the mixer's weights'), built once per mixer by
     :mod:`lightning_ulysses.models.mixers`."""
     for recipe in FAMILIES:

@@ -6,7 +6,7 @@ Ulysses attention exchanges q, k, v and its output, a mixer layer exchanges its 
 (:mod:`lightning_ulysses.models.mixer_heads` has the details):
 
 1. every rank computes the mixer's input projections for its ``[B, s, H]`` shard, each rank's rows (its heads'
-   channels, by the recipe of its family, :mod:`lightning_ulysses.models.mixer_families`), and one all-to-all turns
+   channels, by the recipe of its family, :mod:`lightning_ulysses.families.mixers`), and one all-to-all turns
    them into this rank's rows over the whole sequence, ``[B, S, D/sp]`` (backward: the reverse all-to-all);
 2. the mixer's **own** forward (its convolution and scan kernels: transformers' torch fallbacks on CPU, ``fla`` /
    ``mamba_ssm`` / ``causal_conv1d`` on CUDA when installed) runs narrowed to this rank's heads, on a placeholder of
@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ulysses.models.head_slicing import HeadSlicing
+from lightning_ulysses.families.mixers.head_slicing import HeadSlicing
 from lightning_ulysses.models.mixer_heads import ExchangeRun, MixerExchangeError, head_slicing, narrowed
 from lightning_ulysses.parallel.exchange import (channel_to_sequence_shards, gather_sequence_differentiable,
                                                  reduce_scatter_sequence, sequence_to_channel_shards)
@@ -126,7 +126,7 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
 
 
 class _ExchangePlan:
-    """Every rank's :class:`~lightning_ulysses.models.head_slicing.HeadSlicing` of one mixer at one SP size and what
+    """Every rank's :class:`~lightning_ulysses.families.mixers.head_slicing.HeadSlicing` of one mixer at one SP size and what
     the exchange derives from them: the input projections (``sources``: qualified name -> ``nn.Linear``), the rows
     each rank receives of each (its ``rows`` less the deferred ones), and the channels of the output projection each
     rank holds. ``exchanges``: the mixer runs the exchange (else the gather path, or whole when no family claims

@@ -4,7 +4,7 @@ make exact. Every refusal is a ``ValueError`` that says why and what to change.
 
 Sequence mixers other than attention are not refused as such: :mod:`lightning_ulysses.models.mixers` finds them by
 structure (an ``A_log`` parameter, a depthwise convolution over the sequence, lightning attention's decay buffer) and
-runs them on the whole sequence, split by heads by the families of :mod:`lightning_ulysses.models.mixer_families` (gated
+runs them on the whole sequence, split by heads by the families of :mod:`lightning_ulysses.families.mixers` (gated
 delta nets, Kimi's delta attention, Mamba2 and Mamba1 mixers, lightning attention, short convolutions) or whole on
 every rank. Refused are:
 
@@ -13,7 +13,7 @@ every rank. Refused are:
 * attention modules that compute attention themselves instead of through transformers' attention interface, unless
   they call torch's SDPA and the model runs with ``attn_implementation='sdpa'`` (the strategy then puts the exchange
   around those calls, :mod:`lightning_ulysses.models.hf`); with ALiBi biases even then;
-* model types whose attention takes inputs the exchange cannot shard (:data:`_KNOWN_UNSHARDABLE`: learned mask
+* model types whose attention takes inputs the exchange cannot shard (:data:`KNOWN_UNSHARDABLE`: learned mask
   biases, indexed attention);
 * an MoE router loss that transformers would compute from this rank's tokens only (one that
   :mod:`lightning_ulysses.models.moe` does not make exact).
@@ -36,6 +36,9 @@ from typing import Any, Iterator, Optional
 from torch import nn
 
 from lightning_ulysses import _compat
+from lightning_ulysses.families.attention_classes import CALLS_SDPA_ITSELF, NOT_THROUGH_INTERFACE
+from lightning_ulysses.families.mixers import MIXER_CLASS_NAME
+from lightning_ulysses.families.unshardable import KNOWN_UNSHARDABLE
 from lightning_ulysses.models import litgpt
 from lightning_ulysses.models.hf_attention import ATTENTION_PREFIX, SUPPORTED_ATTENTION, attention_implementation
 from lightning_ulysses.models.mixers import find_sequence_mixers, is_sequence_mixer, uncovered_sequence_convolutions
@@ -166,12 +169,6 @@ def supported_implementations(model: nn.Module) -> list[str]:
 _ATTENTION_LAYER_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}  # (chunks: hf_attention.py)
 
 
-# Class names of sequence mixers other than attention; any of them that the mixer exchange does not take (found by
-# structure, see lightning_ulysses.models.mixers) is refused.
-_MIXER_CLASS = re.compile(r"(mixer|deltanet|deltaattention|shortconv|linearattention|lightningattention"
-                          r"|recurrent(block|layer)?|rglru|rwkv\w*|ssm)$", re.IGNORECASE)  # the class name's end
-
-
 def has_attention(model: nn.Module) -> bool:
     """Whether ``model`` has attention modules the Ulysses exchange serves."""
     return any(_uses_attention_interface(m) for m in model.modules())
@@ -196,12 +193,12 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
     * attention modules that compute attention themselves instead of through transformers' attention interface
       (their attention would skip the exchange), unless they call torch's SDPA under ``attn_implementation='sdpa'``
       without ALiBi;
-    * model types in :data:`_KNOWN_UNSHARDABLE`;
+    * model types in :data:`KNOWN_UNSHARDABLE`;
     * an MoE router loss (``output_router_logits=True``) that transformers computes from this rank's tokens only,
       i.e. one that is not ``load_balancing_loss_func`` of the model's modeling module.
     """
     name = f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r})"
-    known = _KNOWN_UNSHARDABLE.get(getattr(model.config, "model_type", None))
+    known = KNOWN_UNSHARDABLE.get(getattr(model.config, "model_type", None))
     if known:  # named by what the model has, before any generic rule
         raise ValueError(f"{name} {known}: UlyssesDeepSpeedStrategy's attention cannot shard that, so it cannot"
                          " train under sequence parallelism; use sp_size=1.")
@@ -213,7 +210,7 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
     mixers = sequence_mixers(model)
     covered = {id(m) for mixer in mixers for m in mixer.modules()}
     unknown = sorted({f"{module_name} ({type(module).__name__})" for module_name, module in model.named_modules()
-                      if id(module) not in covered and _MIXER_CLASS.search(type(module).__name__)
+                      if id(module) not in covered and MIXER_CLASS_NAME.search(type(module).__name__)
                       and not _uses_attention_interface(module)})
     unknown += uncovered_sequence_convolutions(model, mixers)
     if unknown or (other_kinds and not mixers):
@@ -246,7 +243,7 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
                 " each rank's shard outside any exchange. This architecture cannot train under sequence parallelism"
                 " with ALiBi; use sp_size=1."
             )
-    known = _KNOWN_UNSHARDABLE.get(getattr(model.config, "model_type", None))
+    known = KNOWN_UNSHARDABLE.get(getattr(model.config, "model_type", None))
     if known:
         raise ValueError(f"{name} {known}: UlyssesDeepSpeedStrategy's attention cannot shard that, so it cannot"
                          " train under sequence parallelism; use sp_size=1.")
@@ -262,86 +259,8 @@ def refuse_unsupported_architecture(model: nn.Module) -> None:
             )
 
 
-# Architectures whose attention takes inputs the exchange cannot shard, known before any compute (the attention
-# function also refuses a mask that requires grad at the first forward, for models not listed here).
-_KNOWN_UNSHARDABLE = {
-    "recurrent_gemma": "mixes the sequence with its RG-LRU recurrence (`RecurrentGemmaRecurrentBlock`: a short"
-                       " convolution, then `RecurrentGemmaRglru`, a gated linear recurrence over the positions), which"
-                       " the mixer exchange does not take (its convolution alone would be split, the recurrence"
-                       " would restart at every shard)",
-    "deepseek_v32": "uses DeepSeek sparse attention: an indexer (`DeepseekV32Indexer`) picks each query's"
-                    " `index_topk` keys from the whole sequence, by scores summed over all its heads, and the"
-                    " attention masks the others through a full 4-D mask. Neither a split of the heads nor of the"
-                    " sequence computes that top-k without exchanging [S, S] scores. (It is dense attention only"
-                    " while index_topk, 2048 by default, covers the sequence: shorter than the sequences sequence"
-                    " parallelism is for)",
-    "doge": "passes a learned per-key bias (its dynamic mask) to attention through attention_mask",
-    "longcat_flash": "routes tokens to zero-compute (identity) experts: on a rank whose shard routes no token to a"
-                     " real expert of a layer, that layer's expert weights get no gradient there while another"
-                     " rank's do, and DeepSpeed's ZeRO gradient buckets then differ between the ranks (measured:"
-                     " 2331840 against 1258688 elements in one bucket, the processes abort; where the sizes happen"
-                     " to match, slices of different parameters would be summed)",
-    "zaya": "mixes the sequence inside its attention module, before the attention kernel: its compressed"
-            " convolutional attention (CCA) convolves queries and keys over the positions (`conv_qk_depthwise`,"
-            " `cca_time0/1`) and mixes in the previous token's value; the Ulysses exchange would cut those"
-            " convolutions at every shard boundary",
-    "blt": "attends between two sequences of different lengths (bytes and patches: the cross-attention of its local"
-           " encoder and decoder, `BltCrossAttention`), which the Ulysses exchange, built for one sequence cut into"
-           " equal shards, cannot shard",
-    "qwen4_exp_text": "uses indexed attention (each query attends to the keys an indexer selects from the whole"
-                      " sequence, through a full 4-D mask; its n-gram embeddings also read the tokens before a shard)",
-}
-
-
 # ----------------------------------------------------------------------------------------------- attention modules
 _ATTENTION_CLASS = re.compile(r"Attention\d*$")  # transformers' naming: LlamaAttention, BertSelfAttention, ...
-
-# Attention classes that call torch.nn.functional.scaled_dot_product_attention themselves instead of looking their
-# kernel up in transformers' attention interface (the complete list in transformers 5.23). The strategy can put the
-# exchange around those calls (lightning_ulysses.models.hf).
-_CALLS_SDPA_ITSELF = frozenset({
-    "Data2VecVisionSdpaSelfAttention", "DeepseekOcr2SamVisionSdpaAttention", "FalconAttention",
-    "GraniteSpeechConformerAttention", "GraniteSpeechPlusConformerAttention", "SamHQVisionSdpaAttention",
-    "SamVisionSdpaAttention", "UnlimitedOcrSamVisionSdpaAttention",
-})
-
-# Attention classes defined in a modeling module that has transformers' attention interface
-# (``ALL_ATTENTION_FUNCTIONS``) but that do not dispatch through it: wrappers around the module that attends (BERT's
-# BertAttention around BertSelfAttention, T5's layer wrappers), sequence mixers named "...Attention", local, sparse,
-# deformable, audio and vision attentions that compute their own scores. The complete list in transformers 5.23;
-# most of them the structural rules of _attention_kind also recognise, the list makes the decision independent of
-# them. A class that is not listed is decided by those rules.
-_NOT_THROUGH_INTERFACE = frozenset({
-    "AlignTextAttention", "AltRobertaAttention", "AriaCrossAttention", "BailingHybridDeltaAttention",
-    "BertAttention", "BertGenerationAttention", "BigBirdPegasusBlockSparseAttention",
-    "BigBirdPegasusEncoderAttention", "BigBirdPegasusSelfAttention", "Blip2QFormerAttention",
-    "BridgeTowerAttention", "BridgeTowerResidualAttention", "CamembertAttention", "ChineseCLIPTextAttention",
-    "ClapAudioAttention", "ClapAudioSelfAttention", "ClapTextAttention", "DFineMultiscaleDeformableAttention",
-    "DPTViTAttention", "Data2VecTextAttention", "DeepseekOcr2SamVisionAttention",
-    "DeformableDetrMultiscaleDeformableAttention", "Deimv2MultiscaleDeformableAttention",
-    "EdgeTamVideoMemoryAttention", "EfficientLoFTRAggregatedAttention", "ElectraAttention", "ErnieAttention",
-    "EsmAttention", "EvollaSaProtAttention", "EvollaSequenceAlignerCrossAttention",
-    "EvollaSequenceCompressorAttention", "Gemma3nAudioAttention", "Gemma3nAudioConformerAttention",
-    "Gemma4AudioAttention", "GitAttention", "GitSelfAttention", "Glm5NextTextLinearAttention",
-    "InformerProbSparseAttention", "InstructBlipQFormerAttention", "InstructBlipVideoQFormerAttention",
-    "KimiLinearDeltaAttention", "LayoutLMAttention", "LongT5LayerCrossAttention", "LongT5LayerLocalSelfAttention",
-    "LongT5LayerSelfAttention", "LongT5LayerTransientGlobalSelfAttention", "LongT5LocalAttention",
-    "LongT5TransientGlobalAttention", "LwDetrMultiscaleDeformableAttention", "MT5LayerCrossAttention",
-    "MT5LayerSelfAttention", "MarkupLMAttention", "MiniMaxLightningAttention", "MobileBertAttention",
-    "MultiScaleDeformableAttention", "NeoMMEExclusiveSelfAttention", "PPDocLayoutV2MultiscaleDeformableAttention",
-    "PPDocLayoutV2ReadingOrderAttention", "PPDocLayoutV2ReadingOrderSelfAttention",
-    "PPDocLayoutV3MultiscaleDeformableAttention", "PPDocLayoutV4MultiscaleDeformableAttention",
-    "PPFormulaNetVisionAttention", "PatchTSMixerGatedAttention", "PegasusXGlobalLocalAttention",
-    "Pix2StructTextLayerCrossAttention", "Pix2StructTextLayerSelfAttention", "Pop2PianoLayerCrossAttention",
-    "Pop2PianoLayerSelfAttention", "RTDetrMultiscaleDeformableAttention", "RTDetrV2MultiscaleDeformableAttention",
-    "RfDetrMultiscaleDeformableAttention", "RoCBertAttention", "RobertaAttention", "RobertaPreLayerNormAttention",
-    "Sam2VideoMemoryAttention", "Sam3TrackerVideoMemoryAttention", "SamHQVisionAttention", "SamVisionAttention",
-    "SplinterAttention", "SwitchTransformersLayerCrossAttention", "SwitchTransformersLayerSelfAttention",
-    "T5LayerCrossAttention", "T5LayerSelfAttention", "UMT5LayerCrossAttention", "UMT5LayerSelfAttention",
-    "UdopLayerCrossAttention", "UdopLayerSelfAttention", "UnlimitedOcrSamVisionAttention", "VideoMAEAttention",
-    "VitPoseBackboneAttention", "XLMRobertaAttention", "XLMRobertaXLAttention", "XmodAttention", "YolosAttention",
-})
-
 
 # What a forward that looks its kernel up in transformers' attention interface reads: the registry, and the eager
 # function it falls back to (every modeling module's attention does both, whatever its class is called).
@@ -377,9 +296,9 @@ def _own_classes(cls: type) -> list[type]:
 def _attention_kind(module: nn.Module) -> Optional[str]:
     """What an attention module does with its q, k and v, decided without reading its forward:
 
-    * ``"sdpa"``: it calls torch's SDPA itself (its class, or a base class, is in :data:`_CALLS_SDPA_ITSELF`);
+    * ``"sdpa"``: it calls torch's SDPA itself (its class, or a base class, is in :data:`CALLS_SDPA_ITSELF`);
     * ``"interface"``: it looks its kernel up in transformers' attention interface, i.e. it is not listed in
-      :data:`_NOT_THROUGH_INTERFACE`, its class (or a base class) is defined in a modeling module that has
+      :data:`NOT_THROUGH_INTERFACE`, its class (or a base class) is defined in a modeling module that has
       ``ALL_ATTENTION_FUNCTIONS``, it holds a ``config`` (the lookup reads ``config._attn_implementation``), it is no
       sequence mixer, and no attention module inside it dispatches (else it is a wrapper around that one);
     * ``"own"``: any other attention module, which computes attention some other way;
@@ -392,9 +311,9 @@ def _attention_kind(module: nn.Module) -> Optional[str]:
     if not _is_attention_class(cls):
         return None
     for base in _own_classes(cls):
-        if base.__name__ in _CALLS_SDPA_ITSELF:
+        if base.__name__ in CALLS_SDPA_ITSELF:
             return "sdpa"
-        if base.__name__ in _NOT_THROUGH_INTERFACE:
+        if base.__name__ in NOT_THROUGH_INTERFACE:
             return "own"
     next_to_interface = any(hasattr(sys.modules.get(base.__module__), "ALL_ATTENTION_FUNCTIONS")
                             for base in _own_classes(cls))

@@ -45,9 +45,9 @@ from torch import nn
 
 from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
-from lightning_ulysses.models import vision_families
-from lightning_ulysses.models.multimodal_positions import multimodal_call_positions
-from lightning_ulysses.models.vision_families import Modality, VisionFamily
+from lightning_ulysses.families import vision as vision_families
+from lightning_ulysses.families.multimodal_positions import multimodal_call_positions
+from lightning_ulysses.families.vision import Modality, VisionFamily
 from lightning_ulysses.parallel.exchange import all_to_all
 from lightning_ulysses.parallel.geometry import SequenceGeometry
 from lightning_ulysses.training.step_context import StepContext

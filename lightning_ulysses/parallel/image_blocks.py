@@ -30,6 +30,34 @@ import torch
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
 
+# The keyword of a model call (and so of its attention calls) that carries its bidirectional image blocks.
+IMAGE_BLOCKS_KWARG = "ulysses_image_blocks"
+
+
+def refuse_unsupported_image_blocks(name: str, inner_name: str, ring_size: int, packed: bool,
+                                    causal: bool = True) -> None:
+    """Bidirectional image blocks are exact with ``sdpa``, Ulysses only (``ring_size=1``), one sample per row, on a
+    causal decoder; refuse anything else before it computes."""
+    problem = None
+    if inner_name != "sdpa":
+        problem = (f"attn_implementation {inner_name!r}: the block attention runs through 'sdpa' only; load the model"
+                   " with attn_implementation='sdpa'")
+    elif ring_size > 1:
+        problem = (f"ring attention (ring_size={ring_size}) does not attend within image blocks; use"
+                   " ring_size=1 (Ulysses only)")
+    elif packed:
+        problem = "rows that pack several samples; give one sample per row (right-padded)"
+    elif not causal:
+        problem = "a layer that attends bidirectionally already (use_bidirectional_attention); train it causal"
+    if problem is not None:
+        raise ValueError(
+            f"{name} is called with image tokens that attend to each other both ways (`token_type_ids` marks image"
+            " blocks), which sequence parallelism supports exactly except with"
+            f" {problem}. Or leave `token_type_ids` out of the call (then every token attends causally, as one"
+            " device does without them)."
+        )
+
+
 @dataclass(frozen=True)
 class ImageBlocks:
     """The bidirectional blocks of a call: ``(row, start, end)`` per block, ``[start, end)`` global positions."""

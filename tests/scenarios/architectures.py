@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
 from lightning_ulysses.models.form_check import probe_running
-from lightning_ulysses.models.mixer_families import FAMILIES
+from lightning_ulysses.families.mixers import FAMILIES
 from tests.support.architectures import ARCHITECTURES, batches, build_model
 from tests.support.training import LAUNCH_WORLD_SIZE, make_trainer
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ulysses.models.vision_families.base import Encoded, Modality
-from lightning_ulysses.models.vision_families.llava import LlavaFamily
+from lightning_ulysses.families.vision.base import Encoded, Modality
+from lightning_ulysses.families.vision.llava import LlavaFamily
 
 
 class InternVLFamily(LlavaFamily):

@@ -1,4 +1,4 @@
-"""What a sequence-mixer family's recipe builds (:mod:`lightning_ulysses.models.mixer_families`): a
+"""What a sequence-mixer family's recipe builds (:mod:`lightning_ulysses.families.mixers`): a
 :class:`HeadSlicing`, the description of how to narrow one module to the heads (or channels) of one SP rank (with its
 :class:`Deferral`, the gate run after the exchange back), and the pieces recipes share (:func:`share`, :func:`span`,
 :class:`GatedNormAcrossRanks`). Applying a recipe is

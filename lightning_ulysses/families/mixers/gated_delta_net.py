@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ulysses.models.head_slicing import Deferral, HeadSlicing, share, span
+from lightning_ulysses.families.mixers.head_slicing import Deferral, HeadSlicing, share, span
 
 
 def gated_delta_net_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:

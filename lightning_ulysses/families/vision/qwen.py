@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_ulysses.context import ShardInfo
-from lightning_ulysses.models.vision_families.base import (IMAGE, VIDEO, Encoded, Modality, Units, VisionFamily,
+from lightning_ulysses.families.vision.base import (IMAGE, VIDEO, Encoded, Modality, Units, VisionFamily,
                                                             encoder_rows)
 
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}

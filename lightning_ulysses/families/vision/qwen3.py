@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ulysses.models.vision_families.base import IMAGE, Encoded, Modality, encoder_rows
-from lightning_ulysses.models.vision_families.qwen import QwenGridFamily
+from lightning_ulysses.families.vision.base import IMAGE, Encoded, Modality, encoder_rows
+from lightning_ulysses.families.vision.qwen import QwenGridFamily
 
 
 class Qwen3VLFamily(QwenGridFamily):

@@ -2,7 +2,7 @@
 of the vision tower, how a run of units is encoded, and where its positions come from.
 
 A family is one subclass of :class:`VisionFamily` in a module of this folder and one entry in
-:data:`lightning_ulysses.models.vision_families.FAMILIES`; the placement of the feature rows on the shards, the
+:data:`lightning_ulysses.families.vision.FAMILIES`; the placement of the feature rows on the shards, the
 exchange, the dummy item on ranks without a unit and the agreement on modalities are the same for every family
 (:mod:`lightning_ulysses.models.vision_language`).
 """

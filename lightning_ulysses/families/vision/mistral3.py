@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_ulysses.context import ShardInfo
-from lightning_ulysses.models.vision_families.base import Encoded, Modality, Units, VisionFamily, encoder_rows
+from lightning_ulysses.families.vision.base import Encoded, Modality, Units, VisionFamily, encoder_rows
 
 
 def _merged_side(inner: nn.Module) -> int:

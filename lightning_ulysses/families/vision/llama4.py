@@ -12,7 +12,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from lightning_ulysses.context import ShardInfo
-from lightning_ulysses.models.vision_families.base import Encoded, Modality, Units, VisionFamily
+from lightning_ulysses.families.vision.base import Encoded, Modality, Units, VisionFamily
 
 
 class Llama4Family(VisionFamily):

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from lightning_ulysses.context import ShardInfo
-from lightning_ulysses.models.vision_families.base import IMAGE, VIDEO, Encoded, Modality, Units, VisionFamily
+from lightning_ulysses.families.vision.base import IMAGE, VIDEO, Encoded, Modality, Units, VisionFamily
 
 # The keyword arguments of a call that the model's forward passes on to its feature methods.
 FEATURE_OPTIONS = ("vision_feature_layer", "vision_feature_select_strategy")

@@ -5,7 +5,7 @@ Its attention is the part of its own: in training (``token_type_ids`` given, 1 o
 one image attend to each other both ways, on top of causal attention (and inside the window on sliding layers).
 The call's completion gathers the call's ``token_type_ids`` shards of the SP group (one small all-gather, only when
 the call has them), finds the blocks on global positions and hands them to the SP attention with the call
-(:data:`~lightning_ulysses.models.hf_attention.IMAGE_BLOCKS_KWARG`), which attends within them exactly
+(:data:`~lightning_ulysses.parallel.image_blocks.IMAGE_BLOCKS_KWARG`), which attends within them exactly
 (:mod:`lightning_ulysses.parallel.image_blocks`). A call without ``token_type_ids``, or whose types mark no image,
 runs causal attention as before, as one device does.
 """
@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
-from lightning_ulysses.models.hf_attention import (IMAGE_BLOCKS_KWARG, attention_implementation,
-                                                   refuse_unsupported_image_blocks)
-from lightning_ulysses.models.vision_families.base import Encoded, Modality
-from lightning_ulysses.models.vision_families.llava import LlavaFamily
+from lightning_ulysses.families.vision.base import Encoded, Modality
+from lightning_ulysses.families.vision.llava import LlavaFamily
 from lightning_ulysses.parallel.exchange import all_gather_sequence
 from lightning_ulysses.parallel.geometry import SequenceGeometry
-from lightning_ulysses.parallel.image_blocks import ImageBlocks
+from lightning_ulysses.parallel.image_blocks import (IMAGE_BLOCKS_KWARG, ImageBlocks,
+                                                 refuse_unsupported_image_blocks)
 from lightning_ulysses.training.step_context import StepContext
 
 TOKEN_TYPES_KEY = "token_type_ids"  # what Gemma 3's processor returns and its forward reads (1 = image)
@@ -54,7 +54,8 @@ class Gemma3Family(LlavaFamily):
         blocks = ImageBlocks.from_token_types(whole_token_types(types, shard, context))
         if blocks:  # the same on every rank of the SP group: refused everywhere or nowhere
             causal = not getattr(model.config.get_text_config(), "use_bidirectional_attention", False)
-            refuse_unsupported_image_blocks(type(model).__name__, attention_implementation(model), context, causal)
+            refuse_unsupported_image_blocks(type(model).__name__, _compat.inner_attention_implementation(model.config),
+                                            context.ring_size, shard.packed, causal)
             named[IMAGE_BLOCKS_KWARG] = blocks
 
 

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_ulysses.models.head_slicing import HeadSlicing, share
+from lightning_ulysses.families.mixers.head_slicing import HeadSlicing, share
 
 
 def short_convolution_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ulysses.models.head_slicing import Deferral, GatedNormAcrossRanks, HeadSlicing, share, span
+from lightning_ulysses.families.mixers.head_slicing import Deferral, GatedNormAcrossRanks, HeadSlicing, share, span
 
 
 def mamba2_slicing(module: nn.Module, rank: int, size: int, group: Any = None) -> Optional[HeadSlicing]:
