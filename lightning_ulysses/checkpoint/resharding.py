@@ -36,6 +36,7 @@ import torch
 
 from lightning_ulysses import _compat
 from lightning_ulysses.checkpoint.markers import DEEPSPEED_TAG
+from lightning_ulysses.parallel.layout import group_rank
 
 
 def load_on_another_layout(engine: Any, checkpoint: Path, marker: dict[str, Any], load_optimizer: bool,
@@ -140,9 +141,8 @@ def _model_states_of_the_saved_layout(engine: Any, saved_ranks: int, saved_stage
     """DeepSpeed's loader opens the model-states file this run would write (``mp_rank_00_model_states.pt`` at ZeRO
     0-2; at ZeRO 3 ``zero_pp_rank_<r>_...`` of its own rank). Point it at the saved layout's file: the client state
     is the same in every rank's file, so ranks beyond the saved ones read rank ``rank % saved_ranks``'s."""
-    import torch.distributed as dist
-
-    own = dist.get_rank()  # the ZeRO group spans every rank (dp × sp)
+    
+    own = group_rank()  # the ZeRO group spans every rank (dp × sp)
 
     def saved_name(path: Any, tag: Any, mp_placeholder: Any = None, pp_placeholder: Any = None) -> str:
         mp = "00" if mp_placeholder is None else mp_placeholder
@@ -292,8 +292,7 @@ class _SavedZero3(_Saved):
 # ----------------------------------------------------------------------------------------------- writing
 def _fill_zero12(engine: Any, saved: _Saved) -> None:
     """This rank's ZeRO 1/2 partitions (fp32 masters, optimizer states) from ``saved``."""
-    import torch.distributed as dist
-
+    
     zero = engine.optimizer  # deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer
     if getattr(zero, "round_robin_gradients", False) or any(any(p) for p in zero.round_robin_bit16_padding):
         raise ValueError("Resharding a checkpoint needs zero_optimization.round_robin_gradients and"
@@ -302,7 +301,7 @@ def _fill_zero12(engine: Any, saved: _Saved) -> None:
     states = [_new_states(saved, m) for m in masters]
     for g, (params, offsets) in enumerate(zip(zero.round_robin_bit16_groups, zero.round_robin_bit16_offsets)):
         size = masters[g].numel()
-        start = dist.get_rank(group=zero.real_dp_process_group[g]) * size
+        start = group_rank(zero.real_dp_process_group[g]) * size
         for param, offset in zip(params, offsets):
             lo, hi = max(offset, start), min(offset + param.numel(), start + size)
             if lo < hi:
@@ -316,10 +315,9 @@ def _fill_zero12(engine: Any, saved: _Saved) -> None:
 def _fill_zero3(engine: Any, saved: _Saved) -> None:
     """This rank's ZeRO 3 partitions (fp32 masters, optimizer states, and from the masters the weights' partitions)
     from ``saved``."""
-    import torch.distributed as dist
-
+    
     zero = engine.optimizer  # deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3
-    rank = dist.get_rank(group=zero.dp_process_group)
+    rank = group_rank(zero.dp_process_group)
     masters = zero.fp32_partitioned_groups_flat
     states = [_new_states(saved, m) for m in masters]
     for g, params in enumerate(zero.fp16_groups):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from lightning_ulysses.context import IGNORE_INDEX, ShardInfo
 from lightning_ulysses.parallel.geometry import SequenceGeometry
+from lightning_ulysses.parallel.layout import group_size
 
 
 def next_token_sources(padded_len: int, geometry: SequenceGeometry, sp_rank: int) -> "HaloPlan":
@@ -71,7 +72,7 @@ def next_token_values(values: torch.Tensor, shard: ShardInfo, group: dist.Proces
     out = torch.empty_like(values)
     out[:, :-1] = values[:, 1:]  # inside a run; run ends are overwritten below
     firsts = values[:, plan.starts].contiguous()  # [B, runs, ...]
-    sp = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    sp = group_size(group)
     gathered = torch.empty((sp * firsts.shape[0], *firsts.shape[1:]), dtype=firsts.dtype, device=firsts.device)
     if sp > 1:
         dist.all_gather_into_tensor(gathered, firsts, group=group)  # [sp·B, runs, ...], rank-major

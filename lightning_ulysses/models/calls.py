@@ -34,6 +34,7 @@ from lightning_ulysses.data.halo import shift_labels_across_shards
 from lightning_ulysses.models import position_numbering, vision_language
 from lightning_ulysses.families.multimodal_positions import (given_multimodal_positions, multimodal_call_positions,
                                                            refuse_flat_packed_positions)
+from lightning_ulysses.parallel.layout import group_size
 from lightning_ulysses.training.step_context import StepContext
 
 _HOOK_HANDLE = "_ulysses_call_hook"
@@ -342,7 +343,7 @@ _REFUSED_ON_A_PEER = 1
 def _agree_on_call(problem: Optional[ValueError], name: str, context: StepContext, device: torch.device) -> None:
     """Raise on every rank of the SP group if the call was refused on any of them."""
     verdict = torch.tensor([0 if problem is None else _REFUSED_ON_A_PEER], dtype=torch.int32, device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(context.sp_group) > 1:
+    if group_size(context.sp_group) > 1:
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=context.sp_group)  # [1]: refused anywhere?
     if problem is not None:
         raise problem

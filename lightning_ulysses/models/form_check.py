@@ -48,6 +48,7 @@ from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.models import position_numbering
 from lightning_ulysses.parallel.geometry import SequenceGeometry
+from lightning_ulysses.parallel.layout import group_size
 from lightning_ulysses.training.step_context import StepContext, StepFacts
 
 PROBE_TOKENS_PER_BLOCK = 4
@@ -139,7 +140,7 @@ def build_probe(real: ShardInfo, local_ids: torch.Tensor, geometry: SequenceGeom
     local_slot = torch.searchsorted(real_index.sort().values, positions[index])  # [n] where they sit in the shard
     order = real_index.argsort()
     local_tokens = local_ids[:1, order[local_slot]].contiguous()  # [1, n]
-    sp = dist.get_world_size(sp_group) if dist.is_initialized() else 1
+    sp = group_size(sp_group)
     gathered = [torch.empty_like(local_tokens) for _ in range(sp)]
     if sp > 1:
         dist.all_gather(gathered, local_tokens, group=sp_group)  # sp × [1, n], SP-rank order
@@ -405,7 +406,7 @@ def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.
 
 def _agree_and_raise(findings: list[str], length: int) -> None:
     """Every rank's findings to every rank; all raise if any rank found a difference."""
-    everyone = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    everyone = [None] * (group_size())
     mine = "; ".join(findings) if findings else None
     if dist.is_initialized():
         dist.all_gather_object(everyone, mine)

@@ -24,10 +24,10 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses.models import hf
+from lightning_ulysses.parallel.layout import group_rank, group_size
 from lightning_ulysses.training import sequence_reductions
 from lightning_ulysses.training.step_context import StepContext
 
@@ -51,7 +51,7 @@ def install_plain_generate(model: nn.Module, context: StepContext, zero_stage_3:
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = _whole_prompt(args, kwargs, context)
-        if zero_stage_3 and dist.is_initialized() and dist.get_world_size() > 1:
+        if zero_stage_3 and group_size() > 1:
             calls["n"] += 1
             _rendezvous(f"ulysses_generate/{calls['n']}", type(model).__name__)
             kwargs.setdefault("synced_gpus", True)
@@ -90,13 +90,13 @@ def _rendezvous(key: str, name: str) -> None:
     """Wait until every rank has reached this generate call; raise if they do not within the time limit."""
     from torch.distributed.distributed_c10d import _get_default_store
 
-    store, world = _get_default_store(), dist.get_world_size()
+    store, world = _get_default_store(), group_size()
     store.add(key, 1)
     deadline = time.monotonic() + RENDEZVOUS_SECONDS
     while store.add(key, 0) < world:
         if time.monotonic() > deadline:
             raise GenerationRendezvousError(
-                f"{name}.generate() was called on rank {dist.get_rank()} but only {store.add(key, 0)} of the {world}"
+                f"{name}.generate() was called on rank {group_rank()} but only {store.add(key, 0)} of the {world}"
                 f" ranks arrived within {RENDEZVOUS_SECONDS:.0f} s. Under ZeRO stage 3 every rank holds a part of the"
                 " weights and every forward pass gathers them from all ranks, so generation must run on every rank:"
                 " call generate() on all ranks (not under `if trainer.is_global_zero` / `@rank_zero_only`) and log"

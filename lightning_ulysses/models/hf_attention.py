@@ -29,6 +29,7 @@ from lightning_ulysses import _compat
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.parallel.exchange import (head_counts, head_to_sequence_shards,
                                                 sequence_to_head_shards)
+from lightning_ulysses.parallel.layout import group_rank, group_size
 from lightning_ulysses.parallel.sinks import sink_attention
 from lightning_ulysses._compat import ATTENTION_PREFIX
 from lightning_ulysses.parallel.image_blocks import (IMAGE_BLOCKS_KWARG, ImageBlocks, attend_image_blocks,
@@ -341,7 +342,7 @@ def _refuse_unshardable_inputs(module: nn.Module, attention_mask: Any, kwargs: d
 def _local_heads(per_head: torch.Tensor, num_heads: int, group: Any) -> torch.Tensor:
     """The entries of ``per_head [Hq]`` for the query heads this rank holds after the exchange (the first ranks take
     one more head when the split is uneven)."""
-    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    sp, rank = group_size(group), group_rank(group)
     counts = head_counts(num_heads, sp)
     start = sum(counts[:rank])
     return per_head[start:start + counts[rank]]
@@ -386,7 +387,7 @@ def padded_anywhere(context: StepContext, shard: Any, device: torch.device) -> b
     local = shard.padded_len != shard.seq_len or (
         shard.attention_mask is not None and not bool(shard.attention_mask.bool().all()))
     flag = torch.tensor([int(local)], dtype=torch.int32, device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(context.sp_group) > 1:
+    if group_size(context.sp_group) > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=context.sp_group)  # [1]: padding on any SP rank?
     context.record.record_batch_padding(shard, bool(flag.item()))
     return context.batch_padding[1]

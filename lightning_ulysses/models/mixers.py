@@ -37,7 +37,6 @@ import warnings
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -45,6 +44,7 @@ from lightning_ulysses.families.mixers.head_slicing import HeadSlicing
 from lightning_ulysses.models.mixer_heads import ExchangeRun, MixerExchangeError, head_slicing, narrowed
 from lightning_ulysses.parallel.exchange import (channel_to_sequence_shards, gather_sequence_differentiable,
                                                  reduce_scatter_sequence, sequence_to_channel_shards)
+from lightning_ulysses.parallel.layout import group_rank, group_size
 from lightning_ulysses.training.step_context import StepContext
 
 _ORIGINAL = "_ulysses_mixer_forward"
@@ -96,14 +96,14 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         group = context.ulysses_group
-        if context.plain or context.shard_info is None or dist.get_world_size(group) == 1:
+        if context.plain or context.shard_info is None or group_size(group) == 1:
             return original(module, *args, **kwargs)
         args, kwargs, hidden = _take_hidden(args, kwargs)
         for name in _MASK_NAMES:  # a padding mask of the shard: right padding needs none (the mixers are causal)
             if isinstance(kwargs.get(name), torch.Tensor):
                 kwargs[name] = None
         shard = context.shard_info
-        rank, sp = dist.get_rank(group), dist.get_world_size(group)
+        rank, sp = group_rank(group), group_size(group)
         if sp not in plans:
             plans[sp] = _ExchangePlan(module, [head_slicing(module, r, sp, group, hidden.device) for r in range(sp)])
         plan = plans[sp]

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ulysses.parallel.layout import group_size
 from lightning_ulysses.patches import replaced
 from lightning_ulysses.training.loss import ValueWithGradientOf
 from lightning_ulysses.training.step_context import StepContext
@@ -80,7 +81,7 @@ def sequence_parallel_load_balancing_loss(gate_logits: Any, num_experts: Optiona
         probabilities = probabilities + (routing * mask[:, None]).sum(dim=0)
         rows = rows + mask.sum()
     totals = torch.cat([assignments, probabilities.detach(), rows[None]]).double()  # [2E + 1]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if group_size() > 1:
         dist.all_reduce(totals)  # [2E + 1] over every rank (DP × SP): the router loss of the global batch
     n = totals[-1].clamp(min=1.0)
     share_of_assignments = (totals[:num_experts] / n).float()  # f_e, global

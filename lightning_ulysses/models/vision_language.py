@@ -50,6 +50,7 @@ from lightning_ulysses.families.multimodal_positions import multimodal_call_posi
 from lightning_ulysses.families.vision import Modality, VisionFamily
 from lightning_ulysses.parallel.exchange import all_to_all
 from lightning_ulysses.parallel.geometry import SequenceGeometry
+from lightning_ulysses.parallel.layout import group_rank, group_size
 from lightning_ulysses.training.step_context import StepContext
 
 # The families this path places: one module each in `vision_families` (model_type -> family).
@@ -127,7 +128,7 @@ def complete_call(model: nn.Module, named: dict[str, Any], shard: Optional[Shard
 def _agree_on_modalities(present: list[bool], context: StepContext) -> list[bool]:
     """Whether any rank of the world runs images / videos in this call (one all-reduce of two flags)."""
     flags = torch.tensor([int(p) for p in present], dtype=torch.int32)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if group_size() > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
         flags = flags.to(device) if device is not None else flags
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # [2]: any rank with images / videos
@@ -197,8 +198,8 @@ def _exchanged_features(inner: nn.Module, family: VisionFamily, modality: Modali
     def encode(inputs: dict[str, Any]) -> vision_families.Encoded:
         return family.encode_inputs(inner, modality, {**inputs, **(options or {})})
 
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    sp, me = (dist.get_world_size(group), dist.get_rank(group)) if distributed else (1, 0)
+    distributed = group_size(group) > 1
+    sp, me = (group_size(group), group_rank(group)) if distributed else (1, 0)
     if named is None:  # another replica has this modality: encode a dummy to keep ZeRO's collectives in step
         return _detached_rows(encode(family.dummy_inputs(inner, modality)).tensors)
     units = family.units(inner, modality, named, shard)

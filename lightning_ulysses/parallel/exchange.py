@@ -29,6 +29,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_ulysses.parallel.layout import group_rank, group_size
+
 
 class _AllToAll(torch.autograd.Function):
     """All-to-all along dim 0: ``input_splits[i]`` rows go to rank ``i``, ``output_splits[j]`` rows come from rank
@@ -94,7 +96,7 @@ def sequence_to_head_shards(
         ``[B, hq, S, D]``, ``[B, hkv, S, D]``, ``[B, hkv, S, D]``: rank ``j`` holds query heads
         ``[sum(head_counts[:j]), sum(head_counts[:j+1]))``, and the KV heads they use.
     """
-    sp = dist.get_world_size(group)
+    sp = group_size(group)
     if sp == 1:  # a group of one rank (ring attention alone: ring_size = sp_size) holds every head already
         return query, key, value
     B, Hq, s, D = query.shape
@@ -119,7 +121,7 @@ def sequence_to_head_shards(
 
 def _heads_from_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[B, H, s, D] -> [B, H/sp, S, D]`` for one tensor (heads of different widths cannot travel packed)."""
-    sp = dist.get_world_size(group)
+    sp = group_size(group)
     B, H, s, D = x.shape
     send = x.view(B, sp, H // sp, s, D).transpose(0, 1).reshape(sp * B * (H // sp), s, D)  # [sp(dest)·B·h, s, D]
     rows = B * (H // sp)
@@ -131,7 +133,7 @@ def _sequence_to_uneven_head_shards(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Uneven head split: KV expanded to one head per query head, then rank ``j`` gets ``head_counts[j]`` heads."""
-    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    sp, rank = group_size(group), group_rank(group)
     B, H, s, D = query.shape
     if key.shape[-1] != D or value.shape[-1] != D:
         raise ValueError("Uneven head splits need q, k and v of the same head dim.")
@@ -160,7 +162,7 @@ def head_to_sequence_shards(
     Returns:
         ``[B, s, Hq, D]``: this rank's sequence shard with all heads, in head order.
     """
-    sp = dist.get_world_size(group)
+    sp = group_size(group)
     if sp == 1:  # a group of one rank: the sequence is this rank's already
         return attn_output
     B, S, hq, D = attn_output.shape
@@ -175,7 +177,7 @@ def head_to_sequence_shards(
 def all_gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[B, s, ...]`` shards of the SP group -> ``[B, sp·s, ...]``, rank-major along the sequence (not
     differentiable; :func:`gather_sequence_differentiable` is)."""
-    sp = dist.get_world_size(group)
+    sp = group_size(group)
     shard = shard.contiguous()
     pieces = shard.new_empty((sp * shard.shape[0], *shard.shape[1:]))
     dist.all_gather_into_tensor(pieces, shard, group=group)  # [sp·B, s, ...], rank-major
@@ -186,7 +188,7 @@ def all_gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.
 def reduce_scatter_sequence_sum(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[B, S, ...]`` on every rank of the SP group -> this rank's ``[B, S/sp, ...]`` slice of their sum (not
     differentiable; :func:`reduce_scatter_sequence` is)."""
-    sp = dist.get_world_size(group)
+    sp = group_size(group)
     B, S = full.shape[:2]
     s = S // sp
     chunks = full.reshape(B, sp, s, *full.shape[2:]).transpose(0, 1).contiguous()  # [sp, B, s, ...]
@@ -270,7 +272,7 @@ def sequence_to_channel_shards(send: torch.Tensor, counts: Sequence[int], group:
         ``[B, S, counts[rank]]``: this rank's channels over the whole sequence (rank ``j``'s shard at
         ``[j·s, (j + 1)·s)``).
     """
-    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    sp, rank = group_size(group), group_rank(group)
     B, s, C = send.shape
     n = counts[rank]
     rows = send.permute(2, 0, 1)  # [C, B, s]: channel-major, destination groups in rank order
@@ -282,7 +284,7 @@ def channel_to_sequence_shards(held: torch.Tensor, counts: Sequence[int], group:
     """The reverse of :func:`sequence_to_channel_shards`: ``[B, S, counts[rank]]`` (this rank's channels over the
     whole sequence) -> ``[B, s, sum(counts)]``, this rank's sequence shard of every rank's channels in rank order
     (differentiable; backward: the forward exchange)."""
-    sp = dist.get_world_size(group)
+    sp = group_size(group)
     B, S, n = held.shape
     s = S // sp
     send = held.view(B, sp, s, n).permute(1, 3, 0, 2)  # [sp(dest = seq chunk), n, B, s]

@@ -83,6 +83,27 @@ def node_spanning_warning(sp_size: int, devices_per_node: int, num_nodes: int, r
         " across nodes), or leave `sp_size=None` for all devices of a node."
     )
 
+def group_size(group: Optional[dist.ProcessGroup] = None) -> int:
+    """How many ranks ``group`` holds (the default group when ``None``), 1 without an initialised process group.
+    The one place outside the layout's construction where the package asks torch.distributed for a size: a
+    sequence-parallel group is the layout's, and the collectives that take one ask here."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_members(group: Optional[dist.ProcessGroup] = None) -> list[int]:
+    """The global ranks ``group`` holds (the default group when ``None``), in its own rank order."""
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def group_rank(group: Optional[dist.ProcessGroup] = None) -> int:
+    """This rank's place in ``group`` (the default group when ``None``), 0 without an initialised process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
 @dataclass(frozen=True)
 class SequenceParallelLayout:
     """The data-parallel × sequence-parallel split of the world, built once the process group exists.

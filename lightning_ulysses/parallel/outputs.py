@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
+from lightning_ulysses.parallel.layout import group_rank, group_size
+
 
 class GatherSequence(torch.autograd.Function):
     """Forward: ``[B, s, ...]`` shards of the SP group -> ``[B, S, ...]`` in sequence order (the padding to the SP
@@ -17,7 +19,7 @@ class GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard: torch.Tensor, group: dist.ProcessGroup,  # type: ignore[override]
                 global_index: torch.Tensor, seq_len: int, record: Optional[list]) -> torch.Tensor:
-        sp = dist.get_world_size(group)
+        sp = group_size(group)
         ctx.group, ctx.global_index, ctx.seq_len, ctx.record, ctx.sp = group, global_index, seq_len, record, sp
         shard = shard.detach().contiguous()
         B, s = shard.shape[:2]
@@ -57,11 +59,11 @@ def gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup, seq_len: int,
     gradients to each rank's positions). Inside a step, ``strategy.gather_sequence(values)`` fills in the group, the
     length and the order, and records the gradient for the SP peers' loss check."""
     if shard.requires_grad and torch.is_grad_enabled():
-        rank, s = dist.get_rank(group), shard.shape[1]
+        rank, s = group_rank(group), shard.shape[1]
         mine = (order.to(shard.device)[rank * s:(rank + 1) * s] if order is not None
                 else torch.arange(rank * s, (rank + 1) * s, device=shard.device))
         return GatherSequence.apply(shard, group, mine, seq_len, None)
-    sp = dist.get_world_size(group)
+    sp = group_size(group)
     shard = shard.contiguous()
     pieces = torch.empty((sp * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
     dist.all_gather_into_tensor(pieces, shard, group=group)  # [sp*B, s, ...], rank-major

@@ -24,11 +24,12 @@ import torch.distributed as dist
 
 from lightning_ulysses import _compat
 from lightning_ulysses.parallel.geometry import zigzag_positions
+from lightning_ulysses.parallel.layout import group_rank, group_size
 
 
 def _ring_peers(group: dist.ProcessGroup) -> tuple[int, int]:
     """Global ranks of the next and the previous ring rank."""
-    R, i = dist.get_world_size(group), dist.get_rank(group)
+    R, i = group_size(group), group_rank(group)
     return dist.get_global_rank(group, (i + 1) % R), dist.get_global_rank(group, (i - 1) % R)
 
 
@@ -346,7 +347,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,  # type: ignore[override]
                 window: Optional[int], scale: float, documents: Optional[torch.Tensor]) -> torch.Tensor:
-        R, i = dist.get_world_size(group), dist.get_rank(group)
+        R, i = group_size(group), group_rank(group)
         B, hq, L, D = q.shape
         groups = hq // k.shape[1]
         c = L // 2
@@ -392,7 +393,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         group, window, scale, kernel, documents = ctx.group, ctx.window, ctx.scale, ctx.kernel, ctx.documents
-        R, i = dist.get_world_size(group), dist.get_rank(group)
+        R, i = group_size(group), group_rank(group)
         B, hq, L, D = q.shape
         hkv = k.shape[1]
         groups = hq // hkv

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
+
+from lightning_ulysses.parallel.layout import group_rank, group_size
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def measure_deepspeed_divisor(deepspeed_config: Mapping[str, Any], mpu: Any, dev
     engine, *_ = deepspeed.initialize(args=argparse.Namespace(device_rank=device_rank), model=model,
                                       optimizer=optimizer, config=probe_config(deepspeed_config),
                                       dist_init_required=False, mpu=mpu)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = group_rank(), group_size()
     value = torch.full((1, 1), float(rank + 1), device=device)
     loss = engine(value).sum()  # gradient on the weight: rank + 1
     engine.backward(loss)
@@ -131,7 +132,7 @@ def verify_deepspeed_divisor(factors: GradientFactors, deepspeed_config: Mapping
                              device: torch.device, device_rank: int) -> None:
     """Measure ``D`` (:func:`measure_deepspeed_divisor`, once per process and configuration) and raise if it is not
     the divisor the strategy's gradient factors assume."""
-    key = json.dumps([probe_config(deepspeed_config), factors.dp_size, factors.sp_size, dist.get_world_size()],
+    key = json.dumps([probe_config(deepspeed_config), factors.dp_size, factors.sp_size, group_size()],
                      sort_keys=True, default=str)
     if key in _VERIFIED:
         return

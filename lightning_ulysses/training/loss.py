@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.context import IGNORE_INDEX
+from lightning_ulysses.parallel.layout import group_size
 from lightning_ulysses.training.step_context import StepContext
 
 
@@ -130,7 +131,7 @@ def normalize_weighted_sum(
     window = local_weight if window_weight is None else window_weight.to(local_sum.device)
     totals = torch.stack([local_sum.detach().double(), local_weight.detach().double(),
                           window.detach().double()])  # [sum, weight, window weight]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(totals, group=group)
     dtype = at_least_fp32(local_sum).dtype  # fp32, or fp64 for a float64 model
     value = (totals[0] / _nonzero(totals[1])).to(dtype)

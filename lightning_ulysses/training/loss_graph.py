@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.parallel import exchange, ring
+from lightning_ulysses.parallel.layout import group_members
 from lightning_ulysses.training import sequence_reductions
 from lightning_ulysses.training.loss import ValueWithGradientOf
 
@@ -64,7 +65,7 @@ def register_sharded_computation(function: type) -> None:
 
 
 def _group_ranks(group: Optional[dist.ProcessGroup]) -> list[int]:
-    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return group_members(group)
 
 
 def shard_local_path(loss: torch.Tensor, sp_ranks: Optional[list[int]] = None) -> Optional[str]:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.context import ShardInfo
+from lightning_ulysses.parallel.layout import group_size
 from lightning_ulysses.parallel.outputs import GatherSequence
 
 
@@ -35,7 +36,7 @@ class SequenceSum(torch.autograd.Function):
                 record: Optional[list]) -> torch.Tensor:
         ctx.share_factor, ctx.record = share_factor, record
         total = partial.detach().clone()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(total, group=group)  # [B, ...]: the full rows' sums, on every SP rank
         return total
 
@@ -90,7 +91,7 @@ def sequence_sum(values: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGr
 def sequence_count(mask: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[B]``: each full row's number (or total weight) of positions in ``mask`` (no gradient)."""
     count = mask.detach().to(torch.float64).sum(dim=1)  # [B]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(count, group=group)
     return count
 
@@ -99,7 +100,7 @@ def last_positions(mask: torch.Tensor, shard: ShardInfo, group: dist.ProcessGrou
     """``[B]``: each full row's last global position where ``mask`` holds (-1 for a row without any)."""
     index = shard.global_index.to(mask.device)[None, :].expand(mask.shape)  # [B, s] global positions
     local = torch.where(mask.bool(), index, torch.full_like(index, -1)).max(dim=1).values  # [B]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     return local
 
@@ -121,6 +122,6 @@ def last_token(values: torch.Tensor, mask: torch.Tensor, shard: ShardInfo, group
 def gather_sequence(values: torch.Tensor, shard: ShardInfo, group: dist.ProcessGroup,
                     record: Optional[list]) -> torch.Tensor:
     """``[B, s, ...]`` -> ``[B, S, ...]`` on every SP rank, differentiable (see :class:`GatherSequence`)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return values[:, :shard.seq_len]
     return GatherSequence.apply(values, group, shard.global_index, shard.seq_len, record)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses import _compat
@@ -26,6 +25,7 @@ from lightning_ulysses.parallel.exchange import all_gather_sequence
 from lightning_ulysses.parallel.geometry import SequenceGeometry
 from lightning_ulysses.parallel.image_blocks import (IMAGE_BLOCKS_KWARG, ImageBlocks,
                                                  refuse_unsupported_image_blocks)
+from lightning_ulysses.parallel.layout import group_size
 from lightning_ulysses.training.step_context import StepContext
 
 TOKEN_TYPES_KEY = "token_type_ids"  # what Gemma 3's processor returns and its forward reads (1 = image)
@@ -63,10 +63,10 @@ def whole_token_types(types: torch.Tensor, shard: ShardInfo, context: StepContex
     """``[rows, S_pad]``: the call's ``token_type_ids`` shards ``[rows, s]`` of every rank of the SP group, each at
     its global positions (one all-gather; the shard itself without a process group)."""
     group = context.sp_group
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+    if not (group_size(group) > 1):
         return types
     gathered = all_gather_sequence(types, group)  # [rows, S_pad], rank-major
-    geometry = SequenceGeometry(dist.get_world_size(group), context.ring_size)
+    geometry = SequenceGeometry(group_size(group), context.ring_size)
     whole = torch.empty_like(gathered)
     whole[:, geometry.full_order(shard.padded_len).to(gathered.device)] = gathered  # sequence order
     return whole
