@@ -78,3 +78,28 @@ class PatchStack:
     def close(self) -> None:
         """Undo every change, last applied first."""
         self._stack.close()
+
+
+# ------------------------------------------------------------------------------------------ instance attributes
+# The one way the package writes into another object's instance dictionary: what it puts on a user's module (a
+# replaced ``forward``, the step context an attention reads, what it must give back in teardown) shadows the class's
+# attribute without ``nn.Module.__setattr__`` registering it as a submodule or parameter. The prepare/restore pairs that
+# call these run as one :class:`PatchStack` entry each.
+def put_on_instance(obj: Any, name: str, value: Any) -> None:
+    """``obj.<name>`` is ``value`` from the instance's own dictionary (shadowing the class's ``name``)."""
+    vars(obj)[name] = value
+
+
+def take_from_instance(obj: Any, name: str, default: Any = None) -> Any:
+    """Remove ``name`` from ``obj``'s own dictionary (the class's attribute shows again); returns what it held."""
+    return vars(obj).pop(name, default)
+
+
+def on_instance(obj: Any, name: str, default: Any = None) -> Any:
+    """What ``obj``'s own dictionary holds under ``name`` (not the class's attribute)."""
+    return vars(obj).get(name, default)
+
+
+def held_on_instance(obj: Any, name: str) -> bool:
+    """Whether ``obj``'s own dictionary holds ``name``."""
+    return name in vars(obj)

@@ -54,7 +54,7 @@ from typing import Any, Iterator
 
 from lightning_ulysses.data.sharding import SequenceShardingCollate
 from lightning_ulysses.parallel.layout import SequenceParallelLayout
-from lightning_ulysses.patches import PatchStack
+from lightning_ulysses.patches import PatchStack, take_from_instance
 
 # litdata's overrides of what it detects (litdata.utilities.env._DistributedEnv.detect).
 _DETECTED_VARIABLES = ("WORLD_SIZE", "GLOBAL_RANK", "NNODES")
@@ -166,7 +166,7 @@ def _load_state_in_data_parallel_world(dataloader: Any, env: Any, patches: Patch
             return load_state_dict(state)
 
     def restore(loader: Any = dataloader) -> None:
-        loader.__dict__.pop("load_state_dict", None)
+        take_from_instance(loader, "load_state_dict", None)
 
     patches.apply(f"{type(dataloader).__name__}.load_state_dict in the data-parallel world",
                   lambda: setattr(dataloader, "load_state_dict", load_in_data_parallel_world), restore)

@@ -35,6 +35,7 @@ from lightning_ulysses.models import position_numbering, vision_language
 from lightning_ulysses.families.multimodal_positions import (given_multimodal_positions, multimodal_call_positions,
                                                            refuse_flat_packed_positions)
 from lightning_ulysses.parallel.layout import group_size
+from lightning_ulysses.patches import held_on_instance, on_instance, put_on_instance, take_from_instance
 from lightning_ulysses.training.step_context import StepContext
 
 _HOOK_HANDLE = "_ulysses_call_hook"
@@ -49,20 +50,20 @@ def install_call_completion(model: nn.Module, context: StepContext, hf_model: bo
     """Add the completing pre-hook to ``model`` (idempotent). ``hf_model``: a Hugging Face model (positions, mask and
     labels completed); else a module of the user's own model whose ``forward`` takes ``position_ids`` (positions
     only)."""
-    if _HOOK_HANDLE in model.__dict__:
+    if held_on_instance(model, _HOOK_HANDLE):
         return
     hook = functools.partial(_complete_hf_call if hf_model else _complete_own_call, context=context)
-    model.__dict__[_HOOK_HANDLE] = model.register_forward_pre_hook(hook, with_kwargs=True)
+    put_on_instance(model, _HOOK_HANDLE, model.register_forward_pre_hook(hook, with_kwargs=True))
 
 
 def has_call_completion(model: nn.Module) -> bool:
     """Whether ``model``'s completing pre-hook is installed and still registered on it."""
-    handle = model.__dict__.get(_HOOK_HANDLE)
+    handle = on_instance(model, _HOOK_HANDLE)
     return handle is not None and _compat.hook_is_registered(model, handle)
 
 
 def remove_call_completion(model: nn.Module) -> None:
-    handle = model.__dict__.pop(_HOOK_HANDLE, None)
+    handle = take_from_instance(model, _HOOK_HANDLE, None)
     if handle is not None:
         handle.remove()
     remove_backbone_call_completion(model)
@@ -76,7 +77,7 @@ def install_backbone_call_completion(model: nn.Module, backbone: nn.Module, cont
     states) as calls of the model are completed: the shard's global positions, the batch's mask accepted. Calls of
     the backbone from inside the model's own forward (already completed) pass through: a pre-hook and an
     always-called post-hook on the model count how deep the step is inside it."""
-    if _BACKBONE_HOOKS in model.__dict__:
+    if held_on_instance(model, _BACKBONE_HOOKS):
         return
 
     def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -90,15 +91,15 @@ def install_backbone_call_completion(model: nn.Module, backbone: nn.Module, cont
             return None
         return _complete_hf_call(module, args, kwargs, context)
 
-    model.__dict__[_BACKBONE_HOOKS] = [
+    put_on_instance(model, _BACKBONE_HOOKS, [
         model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
         model.register_forward_hook(leave, with_kwargs=True, always_call=True),
         backbone.register_forward_pre_hook(complete, with_kwargs=True),
-    ]
+    ])
 
 
 def remove_backbone_call_completion(model: nn.Module) -> None:
-    for handle in model.__dict__.pop(_BACKBONE_HOOKS, []):
+    for handle in take_from_instance(model, _BACKBONE_HOOKS, []):
         handle.remove()
 
 

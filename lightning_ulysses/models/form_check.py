@@ -49,6 +49,7 @@ from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.models import position_numbering
 from lightning_ulysses.parallel.geometry import SequenceGeometry
 from lightning_ulysses.parallel.layout import group_size
+from lightning_ulysses.patches import held_on_instance, put_on_instance, take_from_instance
 from lightning_ulysses.training.step_context import StepContext, StepFacts
 
 PROBE_TOKENS_PER_BLOCK = 4
@@ -257,7 +258,7 @@ class ModuleStateSnapshot:
         for root in roots:
             for module in root.modules():
                 buffers = {k: v.detach().clone() for k, v in module._buffers.items() if v is not None}
-                attributes = {k: v for k, v in module.__dict__.items() if self._tracked(k, v)}
+                attributes = {k: v for k, v in vars(module).items() if self._tracked(k, v)}
                 self.saved.append((module, dict(module._buffers), buffers, attributes))
 
     @staticmethod
@@ -270,9 +271,10 @@ class ModuleStateSnapshot:
             module._buffers.update(buffer_objects)
             for name, value in buffer_values.items():
                 buffer_objects[name].data.copy_(value)  # in place: the same tensor objects, the old values
-            for name in [k for k, v in module.__dict__.items() if self._tracked(k, v) and k not in attributes]:
-                del module.__dict__[name]
-            module.__dict__.update(attributes)
+            for name in [k for k, v in vars(module).items() if self._tracked(k, v) and k not in attributes]:
+                take_from_instance(module, name)
+            for name, value in attributes.items():
+                put_on_instance(module, name, value)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_ulysses.models import hf
 from lightning_ulysses.parallel.layout import group_rank, group_size
+from lightning_ulysses.patches import held_on_instance, put_on_instance, replaced, take_from_instance
 from lightning_ulysses.training import sequence_reductions
 from lightning_ulysses.training.step_context import StepContext
 
@@ -42,10 +43,10 @@ class GenerationRendezvousError(RuntimeError):
 def install_plain_generate(model: nn.Module, context: StepContext, zero_stage_3: bool) -> None:
     """Make ``model.generate`` plain generation while the model is prepared (idempotent; undone by
     :func:`remove_plain_generate`)."""
-    if _ORIGINAL in model.__dict__ or not callable(getattr(model, "generate", None)):
+    if held_on_instance(model, _ORIGINAL) or not callable(getattr(model, "generate", None)):
         return
     original: Callable[..., Any] = model.generate
-    model.__dict__[_ORIGINAL] = original
+    put_on_instance(model, _ORIGINAL, original)
     calls = {"n": 0}
 
     @functools.wraps(original)
@@ -58,7 +59,7 @@ def install_plain_generate(model: nn.Module, context: StepContext, zero_stage_3:
         with hf.plain_mode(model, context):
             return original(*args, **kwargs)
 
-    model.__dict__["generate"] = generate
+    put_on_instance(model, "generate", generate)
 
 
 def _whole_prompt(args: tuple, kwargs: dict, context: StepContext) -> tuple[tuple, dict]:
@@ -82,8 +83,8 @@ def _whole_prompt(args: tuple, kwargs: dict, context: StepContext) -> tuple[tupl
 
 
 def remove_plain_generate(model: nn.Module) -> None:
-    if model.__dict__.pop(_ORIGINAL, None) is not None:
-        model.__dict__.pop("generate", None)
+    if take_from_instance(model, _ORIGINAL, None) is not None:
+        take_from_instance(model, "generate", None)
 
 
 def _rendezvous(key: str, name: str) -> None:

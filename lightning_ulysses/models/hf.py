@@ -26,7 +26,7 @@ from lightning_ulysses.models.refusals import (calls_sdpa_directly, has_attentio
                                                sequence_mixers)
 from lightning_ulysses.models.rope import unwrap_rotaries, wrap_length_dependent_rotaries
 from lightning_ulysses.parallel.attention import ulysses_attention
-from lightning_ulysses.patches import replaced
+from lightning_ulysses.patches import held_on_instance, on_instance, put_on_instance, replaced, take_from_instance
 from lightning_ulysses.training.loss import SequenceParallelLossFunction
 from lightning_ulysses.training.step_context import StepContext
 
@@ -69,14 +69,14 @@ _SAVED_STATE = "_ulysses_saved_state"
 def prepare_model(model: nn.Module, context: StepContext) -> None:
     """Point ``model`` at Ulysses attention over ``context.sp_group`` and at the SP loss. Idempotent; undone by
     :func:`restore_model`."""
-    saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED_STATE)
+    saved: Optional[_SavedModelState] = on_instance(model, _SAVED_STATE)
     if saved is None:
         config = model.config
         saved = _SavedModelState(
             attn_implementation=_compat.attention_implementation(config),
             use_cache=getattr(config, "use_cache", None),
-            had_loss_function="_loss_function" in model.__dict__,
-            loss_function=model.__dict__.get("_loss_function"),
+            had_loss_function=held_on_instance(model, "_loss_function"),
+            loss_function=on_instance(model, "_loss_function"),
         )
         impl = _compat.attention_implementation(config)
         direct = [m for m in model.modules() if calls_sdpa_directly(m)]
@@ -84,7 +84,7 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
             # These call torch's SDPA themselves when the implementation is exactly "sdpa": keep the name and put
             # the exchange around the SDPA calls of their forward instead.
             for module in direct:
-                module.__dict__["forward"] = _with_ulysses_sdpa(module, context)
+                put_on_instance(module, "forward", _with_ulysses_sdpa(module, context))
             saved.direct_sdpa_modules = direct
         elif not impl.startswith(ATTENTION_PREFIX) and has_attention(model):
             # (a model with attention sinks built eager runs the Ulysses function registered for sdpa, which
@@ -104,11 +104,11 @@ def prepare_model(model: nn.Module, context: StepContext) -> None:
                                    if getattr(sub, "use_cache", None) is not None]
         for sub, _ in saved.sub_config_caches:
             sub.use_cache = False
-        model.__dict__[_SAVED_STATE] = saved
+        put_on_instance(model, _SAVED_STATE, saved)
     # Every module that dispatches attention holds a config; give each the step context (SP group, documents).
     saved.marked_modules = [m for m in model.modules() if hasattr(m, "config")]
     for module in saved.marked_modules:
-        module.__dict__[CONTEXT_ATTRIBUTE] = context
+        put_on_instance(module, CONTEXT_ATTRIBUTE, context)
     if sequence_classification.is_sequence_classifier(model):
         sequence_classification.install(model, context)  # pools at the last token of the whole sequence
     else:
@@ -130,7 +130,7 @@ def _complete_backbone_calls(model: nn.Module, context: StepContext) -> None:
 def reinstall_hooks(model: nn.Module, context: StepContext) -> None:
     """Register a prepared model's forward pre-hooks again after something cleared every module's hooks (Lightning's
     DeepSpeed inference set-up calls ``remove_module_hooks`` on the whole LightningModule)."""
-    saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED_STATE)
+    saved: Optional[_SavedModelState] = on_instance(model, _SAVED_STATE)
     if saved is None:
         return
     for hook in saved.hooks:
@@ -164,7 +164,7 @@ def _sub_configs(config: Any) -> list[Any]:
 
 def restore_model(model: nn.Module) -> None:
     """Undo :func:`prepare_model`: the model's attention, cache setting and loss are what they were before."""
-    saved: Optional[_SavedModelState] = model.__dict__.pop(_SAVED_STATE, None)
+    saved: Optional[_SavedModelState] = take_from_instance(model, _SAVED_STATE, None)
     if saved is None:
         return
     _compat.set_attention_implementation(model.config, saved.attn_implementation)
@@ -173,9 +173,9 @@ def restore_model(model: nn.Module) -> None:
     for sub, value in saved.sub_config_caches:
         sub.use_cache = value
     for module in saved.marked_modules:
-        module.__dict__.pop(CONTEXT_ATTRIBUTE, None)
+        take_from_instance(module, CONTEXT_ATTRIBUTE, None)
     for module in saved.direct_sdpa_modules:
-        module.__dict__.pop("forward", None)
+        take_from_instance(module, "forward", None)
     for mixer in saved.mixers:
         unwrap_sequence_mixer(mixer)
     unwrap_rotaries(saved.rotaries)
@@ -184,18 +184,18 @@ def restore_model(model: nn.Module) -> None:
     remove_call_completion(model)
     sequence_classification.remove(model)
     if saved.had_loss_function:
-        model.__dict__["_loss_function"] = saved.loss_function
+        put_on_instance(model, "_loss_function", saved.loss_function)
     else:
-        model.__dict__.pop("_loss_function", None)
+        take_from_instance(model, "_loss_function", None)
 
 
 def is_prepared(model: nn.Module) -> bool:
-    return _SAVED_STATE in model.__dict__
+    return held_on_instance(model, _SAVED_STATE)
 
 
 def original_use_cache(model: nn.Module) -> Optional[bool]:
     """The ``use_cache`` setting a prepared model had before preparation (``None``: not prepared or unset)."""
-    saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED_STATE)
+    saved: Optional[_SavedModelState] = on_instance(model, _SAVED_STATE)
     return saved.use_cache if saved is not None else None
 
 
@@ -203,7 +203,7 @@ def original_use_cache(model: nn.Module) -> Optional[bool]:
 def plain_mode(model: nn.Module, context: StepContext) -> Iterator[None]:
     """Inside the block the prepared ``model`` runs as the plain model it was before preparation (its own attention
     implementation and cache setting, no exchange, no call completion): for ``generate()`` during fit."""
-    saved: Optional[_SavedModelState] = model.__dict__.get(_SAVED_STATE)
+    saved: Optional[_SavedModelState] = on_instance(model, _SAVED_STATE)
     if saved is None:
         yield
         return

@@ -35,6 +35,7 @@ from lightning_ulysses._compat import ATTENTION_PREFIX
 from lightning_ulysses.parallel.image_blocks import (IMAGE_BLOCKS_KWARG, ImageBlocks, attend_image_blocks,
                                                  refuse_unsupported_image_blocks)
 from lightning_ulysses.parallel.ring import causal_window_mask, document_ids, ring_attention
+from lightning_ulysses.patches import on_instance
 from lightning_ulysses.training.step_context import StepContext
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -227,7 +228,7 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         attention_mask: Optional[torch.Tensor],
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        context: Optional[StepContext] = module.__dict__.get(CONTEXT_ATTRIBUTE)
+        context: Optional[StepContext] = on_instance(module, CONTEXT_ATTRIBUTE)
         if context is None:
             raise RuntimeError(
                 f"{type(module).__name__} runs Ulysses attention but was not prepared by UlyssesDeepSpeedStrategy"

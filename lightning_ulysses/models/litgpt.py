@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_ulysses import _compat
 from lightning_ulysses.parallel.attention import ulysses_attention
+from lightning_ulysses.patches import held_on_instance, on_instance, put_on_instance, replaced, take_from_instance
 from lightning_ulysses.training.step_context import StepContext
 
 _SAVED = "_ulysses_litgpt_saved"
@@ -69,12 +70,12 @@ def changed_attention_kernels(model: nn.Module) -> list[str]:
 
 def prepare_litgpt(model: nn.Module, context: StepContext) -> None:
     """Global RoPE rows and the Ulysses exchange for a LitGPT ``GPT`` (idempotent)."""
-    if _SAVED in model.__dict__:
+    if held_on_instance(model, _SAVED):
         return
     blocks = _attention_blocks(model)
     for block in blocks:
-        block.__dict__["scaled_dot_product_attention"] = functools.partial(_ulysses_sdpa, block, context)
-    model.__dict__[_SAVED] = (blocks, _register_rope_hooks(model, context))
+        put_on_instance(block, "scaled_dot_product_attention", functools.partial(_ulysses_sdpa, block, context))
+    put_on_instance(model, _SAVED, (blocks, _register_rope_hooks(model, context)))
 
 
 def _register_rope_hooks(model: nn.Module, context: StepContext) -> list:
@@ -85,19 +86,19 @@ def _register_rope_hooks(model: nn.Module, context: StepContext) -> list:
 
 
 def restore_litgpt(model: nn.Module) -> None:
-    saved = model.__dict__.pop(_SAVED, None)
+    saved = take_from_instance(model, _SAVED, None)
     if saved is None:
         return
     blocks, handles = saved
     for block in blocks:
-        block.__dict__.pop("scaled_dot_product_attention", None)
+        take_from_instance(block, "scaled_dot_product_attention", None)
     for handle in handles:
         handle.remove()
 
 
 def reinstall_hooks(model: nn.Module, context: StepContext) -> None:
     """The RoPE hooks again, after something cleared every module's hooks (Lightning's DeepSpeed inference set-up)."""
-    saved = model.__dict__.get(_SAVED)
+    saved = on_instance(model, _SAVED)
     if saved is None:
         return
     blocks, handles = saved
@@ -107,7 +108,7 @@ def reinstall_hooks(model: nn.Module, context: StepContext) -> None:
 
 
 def has_hooks(model: nn.Module) -> bool:
-    saved = model.__dict__.get(_SAVED)
+    saved = on_instance(model, _SAVED)
     return saved is not None and all(_compat.hook_is_registered(model, h) for h in saved[1])
 
 
@@ -118,13 +119,13 @@ def rope_rows(model: nn.Module, positions: torch.Tensor) -> None:
     """Put the RoPE cache rows of ``positions`` ``[T]`` first, so that LitGPT's ``cos[:T]`` takes them (undone by
     :func:`put_back_rope_rows`)."""
     cos, sin = model.cos, model.sin
-    model.__dict__[_CACHE] = (cos, sin)
+    put_on_instance(model, _CACHE, (cos, sin))
     index = positions.to(cos.device)
     model.cos, model.sin = cos.index_select(0, index), sin.index_select(0, index)  # [T, n_elem]
 
 
 def put_back_rope_rows(model: nn.Module) -> None:
-    cached = model.__dict__.pop(_CACHE, None)
+    cached = take_from_instance(model, _CACHE, None)
     if cached is not None:
         model.cos, model.sin = cached
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ulysses import _compat
+from lightning_ulysses.patches import held_on_instance, on_instance, put_on_instance, take_from_instance
 from lightning_ulysses.training import loss_graph
 from lightning_ulysses.training.loss import cross_entropy_sum, step_loss_from_sum, token_statistics
 from lightning_ulysses.training.step_context import StepContext
@@ -94,7 +95,7 @@ def _decoder_mlps(model: nn.Module) -> list[nn.Module]:
 
 def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepContext]) -> None:
     """Switch ``features`` on for the Hugging Face causal LM ``model`` (undo with :func:`disable`)."""
-    if not features.any or _MEMORY_STATE in model.__dict__:
+    if not features.any or held_on_instance(model, _MEMORY_STATE):
         return
     saved: dict[str, Any] = {"mlps": [], "forward": None, "checkpointing": False}
     if features.tiled_mlp:
@@ -103,21 +104,21 @@ def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepCon
             _tile_mlp(mlp, features.tiled_mlp, hidden_size, context)
             saved["mlps"].append(mlp)
     if features.tiled_loss or features.offload_checkpoints:
-        saved["forward"] = model.__dict__.get("forward")
+        saved["forward"] = on_instance(model, "forward")
         model.forward = _memory_forward(model, features, context)  # type: ignore[method-assign]
     if features.offload_checkpoints:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         saved["checkpointing"] = True
-    model.__dict__[_MEMORY_STATE] = saved
+    put_on_instance(model, _MEMORY_STATE, saved)
 
 
 def disable(model: nn.Module) -> None:
-    saved = model.__dict__.pop(_MEMORY_STATE, None)
+    saved = take_from_instance(model, _MEMORY_STATE, None)
     if saved is None:
         return
     for mlp in saved["mlps"]:
-        mlp.__dict__.pop("forward", None)
-    if "forward" in model.__dict__:
+        take_from_instance(mlp, "forward", None)
+    if held_on_instance(model, "forward"):
         del model.forward
     if saved["forward"] is not None:
         model.forward = saved["forward"]

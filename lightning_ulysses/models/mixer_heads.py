@@ -15,8 +15,8 @@ rank ``j`` of the SP group (:mod:`lightning_ulysses.models.mixers` drives it):
    projection returns its input, this rank's heads' output over the whole sequence;
 3. that goes back by the reverse all-to-all (head shards -> sequence shards), and the output projection runs on the
    shard with every head, after the family's gate or gated norm where it has one (a
-   :class:`~lightning_ulysses.families.mixers.head_slicing.Deferral`: its gate is a projection of the shard's input, so it
-   never travels).
+   :class:`~lightning_ulysses.families.mixers.head_slicing.Deferral`: its gate is a projection of the shard's input,
+   so it never travels).
 
 Exact (the forward is bitwise the one device's: the shard's projections are the full ones, row by row), and the
 mixer's activations and compute per rank fall by ``sp``, as its bytes do. A family is one recipe returning a
@@ -49,7 +49,7 @@ from torch import nn
 from lightning_ulysses.families.mixers.head_slicing import HeadSlicing
 from lightning_ulysses.families.mixers import FAMILIES
 from lightning_ulysses.parallel.exchange import all_reduce_sum
-from lightning_ulysses.patches import replaced
+from lightning_ulysses.patches import on_instance, put_on_instance, replaced, take_from_instance
 
 
 def head_slicing(module: nn.Module, rank: int, size: int, group: Any = None,
@@ -378,18 +378,18 @@ def _narrowed_here(module: nn.Module, slicing: HeadSlicing, rank: int, run: Opti
     shadows.update(slicing.modules)
     scaled = [slicing.input_scale] if run is not None and slicing.input_scale is not None else []
     for name in scaled:
-        shadows[name] = _InputScale(module.__dict__[name], run)
+        shadows[name] = _InputScale(on_instance(module, name), run)
     if deferral is not None and deferral.norm is not None:
         shadows[deferral.norm] = _DeferredNorm(module._modules[deferral.norm], run, f"{owner}.{deferral.norm}")
-    saved_attributes = {name: module.__dict__[name] for name in (*slicing.attributes, *scaled)}
+    saved_attributes = {name: on_instance(module, name) for name in (*slicing.attributes, *scaled)}
     modeling = sys.modules.get(type(module).__module__)
     disabled = [name for name in slicing.disabled_functions if hasattr(modeling, name)]
     gated = {} if deferral is None else {name: keyword for name, keyword in deferral.gated_functions.items()
                                          if hasattr(modeling, name)}
     with ExitStack() as stack:
         try:
-            module.__dict__.update(shadows)
-            module.__dict__.update(slicing.attributes)
+            for name, value in {**shadows, **slicing.attributes}.items():
+                put_on_instance(module, name, value)
             for name in disabled:  # fused kernels of the modeling module that would run on the whole channels
                 stack.enter_context(replaced(modeling, name, _returns_none, f"{modeling.__name__}.{name}"))
             for name, keyword in gated.items():  # their gate is applied after the exchange back
@@ -399,8 +399,9 @@ def _narrowed_here(module: nn.Module, slicing: HeadSlicing, rank: int, run: Opti
             yield
         finally:
             for name in shadows:
-                module.__dict__.pop(name, None)
-            module.__dict__.update(saved_attributes)
+                take_from_instance(module, name, None)
+            for name, value in saved_attributes.items():
+                put_on_instance(module, name, value)
 
 
 def _returns_none(*args: Any, **kwargs: Any) -> None:

@@ -45,6 +45,7 @@ from lightning_ulysses.models.mixer_heads import ExchangeRun, MixerExchangeError
 from lightning_ulysses.parallel.exchange import (channel_to_sequence_shards, gather_sequence_differentiable,
                                                  reduce_scatter_sequence, sequence_to_channel_shards)
 from lightning_ulysses.parallel.layout import group_rank, group_size
+from lightning_ulysses.patches import held_on_instance, put_on_instance, take_from_instance
 from lightning_ulysses.training.step_context import StepContext
 
 _ORIGINAL = "_ulysses_mixer_forward"
@@ -86,10 +87,10 @@ def uncovered_sequence_convolutions(model: nn.Module, mixers: list[nn.Module]) -
 def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
     """Make ``module`` run on the whole sequence under SP (see the module docstring). Idempotent; undone by
     :func:`unwrap_sequence_mixer`."""
-    if _ORIGINAL in module.__dict__:
+    if held_on_instance(module, _ORIGINAL):
         return
     original = type(module).forward
-    module.__dict__[_ORIGINAL] = original
+    put_on_instance(module, _ORIGINAL, original)
     if context.zero_stage_3:  # gather the submodules' weights for this module's whole forward and backward
         _register_external_parameters(module)
     plans: dict[int, _ExchangePlan] = {}  # sp -> every rank's head slicing of this mixer, built once
@@ -122,13 +123,13 @@ def wrap_sequence_mixer(module: nn.Module, context: StepContext) -> None:
                               " its partial output (exact, more bytes and memory per rank).", stacklevel=2)
         return _gathered_forward(module, run, plan.slicings[rank], hidden, rank, group, cu_seqlens)
 
-    module.__dict__["forward"] = forward
+    put_on_instance(module, "forward", forward)
 
 
 class _ExchangePlan:
-    """Every rank's :class:`~lightning_ulysses.families.mixers.head_slicing.HeadSlicing` of one mixer at one SP size and what
-    the exchange derives from them: the input projections (``sources``: qualified name -> ``nn.Linear``), the rows
-    each rank receives of each (its ``rows`` less the deferred ones), and the channels of the output projection each
+    """Every rank's :class:`~lightning_ulysses.families.mixers.head_slicing.HeadSlicing` of one mixer at one SP size
+    and what the exchange derives from them: the input projections (``sources``: qualified name -> ``nn.Linear``), the
+    rows each rank receives of each (its ``rows`` less the deferred ones), and the channels of the output projection each
     rank holds. ``exchanges``: the mixer runs the exchange (else the gather path, or whole when no family claims
     it)."""
 
@@ -243,9 +244,9 @@ def _gathered_forward(module: nn.Module, run: Callable[[torch.Tensor], Any], sli
 
 
 def unwrap_sequence_mixer(module: nn.Module) -> None:
-    if module.__dict__.pop(_ORIGINAL, None) is not None:
-        module.__dict__.pop("forward", None)
-        for parameter in module.__dict__.pop(_EXTERNAL, []):
+    if take_from_instance(module, _ORIGINAL, None) is not None:
+        take_from_instance(module, "forward", None)
+        for parameter in take_from_instance(module, _EXTERNAL, []):
             from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
 
             unregister_external_parameter(module, parameter)
@@ -264,7 +265,7 @@ def _register_external_parameters(module: nn.Module) -> None:
     registered = [p for p in module.parameters() if id(p) not in own]
     for parameter in registered:
         register_external_parameter(module, parameter)
-    module.__dict__[_EXTERNAL] = registered
+    put_on_instance(module, _EXTERNAL, registered)
 
 
 def _take_hidden(args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.Tensor]:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_ulysses.patches import held_on_instance, on_instance, put_on_instance, take_from_instance
 from lightning_ulysses.training.step_context import StepContext
 
 _ORIGINAL = "_ulysses_original_rotary_forward"
@@ -77,23 +78,23 @@ def wrap_length_dependent_rotaries(model: nn.Module, context: StepContext) -> li
     largest position inside a step; returns the wrapped modules (undo with :func:`unwrap_rotaries`)."""
     wrapped = []
     for module in model.modules():
-        if _ORIGINAL in module.__dict__ or not is_length_dependent_rotary(module):
+        if held_on_instance(module, _ORIGINAL) or not is_length_dependent_rotary(module):
             continue
-        module.__dict__[_ORIGINAL] = type(module).forward
-        module.__dict__["forward"] = functools.partial(_whole_sequence_rotary, module, context)
+        put_on_instance(module, _ORIGINAL, type(module).forward)
+        put_on_instance(module, "forward", functools.partial(_whole_sequence_rotary, module, context))
         wrapped.append(module)
     return wrapped
 
 
 def unwrap_rotaries(modules: list[nn.Module]) -> None:
     for module in modules:
-        if module.__dict__.pop(_ORIGINAL, None) is not None:
-            module.__dict__.pop("forward", None)
+        if take_from_instance(module, _ORIGINAL, None) is not None:
+            take_from_instance(module, "forward", None)
 
 
 def _whole_sequence_rotary(module: nn.Module, context: StepContext, x: torch.Tensor,
                            position_ids: Optional[torch.Tensor] = None, *args: Any, **kwargs: Any) -> Any:
-    original = module.__dict__[_ORIGINAL]
+    original = on_instance(module, _ORIGINAL)
     shard = context.shard_info
     if (context.plain or not context.in_step or shard is None or shard.max_position is None
             or not isinstance(position_ids, torch.Tensor)):

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_ulysses.patches import held_on_instance, put_on_instance, take_from_instance
 from lightning_ulysses.training import sequence_reductions
 from lightning_ulysses.training.step_context import StepContext
 
@@ -41,9 +42,9 @@ def backbone_of(model: nn.Module) -> nn.Module:
 
 def install(model: nn.Module, context: StepContext) -> None:
     """Replace ``model``'s forward by the sequence-parallel pooling (undone by :func:`remove`)."""
-    if _ORIGINAL_FORWARD in model.__dict__:
+    if held_on_instance(model, _ORIGINAL_FORWARD):
         return
-    model.__dict__[_ORIGINAL_FORWARD] = True
+    put_on_instance(model, _ORIGINAL_FORWARD, True)
 
     def forward(input_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
@@ -56,12 +57,12 @@ def install(model: nn.Module, context: StepContext) -> None:
         return _sequence_parallel_forward(model, context, input_ids, attention_mask, position_ids, inputs_embeds,
                                           labels, kwargs)
 
-    model.__dict__["forward"] = forward
+    put_on_instance(model, "forward", forward)
 
 
 def remove(model: nn.Module) -> None:
-    if model.__dict__.pop(_ORIGINAL_FORWARD, None):
-        model.__dict__.pop("forward", None)
+    if take_from_instance(model, _ORIGINAL_FORWARD, None):
+        take_from_instance(model, "forward", None)
 
 
 def _sequence_parallel_forward(model: nn.Module, context: StepContext, input_ids, attention_mask, position_ids,

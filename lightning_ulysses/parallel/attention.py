@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ulysses.parallel.exchange import head_to_sequence_shards, sequence_to_head_shards
+from lightning_ulysses.patches import held_on_instance, on_instance, put_on_instance, take_from_instance
 
 AttentionFn = Callable[..., torch.Tensor]
 ModuleSelector = Union[type, str]
@@ -78,7 +79,7 @@ class UlyssesAttention(nn.Module):
         self.ulysses_attention_core = True  # the strategy gives it the SP group in setup
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        context = self.__dict__.get("_ulysses_context")
+        context = on_instance(self, "_ulysses_context")
         if context is not None and context.plain:  # the model-form check's whole run: plain attention
             return local_attention(query, key, value, self.attention_fn, {**self.attention_kwargs, **kwargs})
         if self.group is None:
@@ -110,14 +111,14 @@ def wrap_attention_core(module: nn.Module, group: dist.ProcessGroup, context: An
     run)."""
     if isinstance(module, UlyssesAttention):
         module.group = group
-        module.__dict__["_ulysses_context"] = context
+        put_on_instance(module, "_ulysses_context", context)
         return
-    if _ORIGINAL_FORWARD in module.__dict__:
-        module.__dict__["_ulysses_group"] = group
+    if held_on_instance(module, _ORIGINAL_FORWARD):
+        put_on_instance(module, "_ulysses_group", group)
         return
     original = module.forward
-    module.__dict__[_ORIGINAL_FORWARD] = original
-    module.__dict__["_ulysses_group"] = group
+    put_on_instance(module, _ORIGINAL_FORWARD, original)
+    put_on_instance(module, "_ulysses_group", group)
 
     def sequence_parallel_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
                                   **kwargs: Any):
@@ -131,7 +132,7 @@ def wrap_attention_core(module: nn.Module, group: dist.ProcessGroup, context: An
                 " (the one whose forward takes q, k, v), not the attention block around it (which takes hidden"
                 " states, masks, positions)."
             )
-        return ulysses_attention(query, key, value, module.__dict__["_ulysses_group"], original, **kwargs)
+        return ulysses_attention(query, key, value, on_instance(module, "_ulysses_group"), original, **kwargs)
 
     module.forward = sequence_parallel_forward  # type: ignore[method-assign]
 
@@ -140,9 +141,9 @@ def unwrap_attention_core(module: nn.Module) -> None:
     """Undo :func:`wrap_attention_core`."""
     if isinstance(module, UlyssesAttention):
         module.group = None
-        module.__dict__.pop("_ulysses_context", None)
+        take_from_instance(module, "_ulysses_context", None)
         return
-    original = module.__dict__.pop(_ORIGINAL_FORWARD, None)
-    module.__dict__.pop("_ulysses_group", None)
+    original = take_from_instance(module, _ORIGINAL_FORWARD, None)
+    take_from_instance(module, "_ulysses_group", None)
     if original is not None:
         del module.forward
