@@ -7,10 +7,13 @@ batch's :class:`~lightning_ulysses.context.ShardInfo` with the batch's own tenso
 set-up model (a forward pre-hook on the DeepSpeed engine, :class:`ForwardSteps`), decides which batch the call is
 on:
 
-* the call's token tensor (``input_ids``, LitGPT's ``idx``, or the first 2-D integer tensor) is compared with the
+* the call's token tensor (``input_ids``, LitGPT's ``idx``, or the first 2-D integer tensor) is matched with the
   recorded batches', the ones not used yet first, then the current one: a batch not used yet begins a new step
   (the checks before compute, the model-form check on the first step), the current one continues its step (a
-  second forward pass on the same batch, e.g. a policy and a reference pass);
+  second forward pass on the same batch, e.g. a policy and a reference pass). A call on the batch's own tensor or
+  its first rows is recognised by its memory, on the host; only a tensor with memory of its own (the device copy
+  Fabric's loader makes on a GPU, a copy of the user's) is compared by value, and then kept as the batch's, so
+  that the step's further calls on it are recognised by memory: at most one comparison per batch, none per call;
 * a call without a token tensor (``inputs_embeds``) takes the oldest batch not used yet, else the current one;
 * a call whose tokens match no recorded batch raises before compute: the strategy would not know the positions
   and lengths of the shard, so the result would be silently wrong;
@@ -72,7 +75,7 @@ class ForwardSteps:
             self._entered.append(False)  # inside another step's call (form check, evaluate_full_batch), or generation
             return
         tokens = _token_tensor(args, kwargs)
-        entry = self._entry_for(tokens)
+        entry = self._entry_for(tokens, kwargs)
         if entry is not self.current:
             self.unused.remove(entry)
             self.runner.begin_batch("train", entry.shard, entry.batch)
@@ -84,14 +87,19 @@ class ForwardSteps:
         if self._entered and self._entered.pop():
             self.runner.set_in_step(False)
 
-    def _entry_for(self, tokens: Optional[torch.Tensor]) -> RecordedBatch:
+    def _entry_for(self, tokens: Optional[torch.Tensor], kwargs: dict) -> RecordedBatch:
         if tokens is None:
             entry = self.unused[0] if self.unused else self.current
             if entry is None:
                 raise RuntimeError(no_batch_error())
             return entry
-        for entry in [*self.unused, *([self.current] if self.current is not None else [])]:
+        candidates = [*self.unused, *([self.current] if self.current is not None else [])]
+        for entry in candidates:  # the batch's own memory: decided on the host
+            if _shares_rows(tokens, entry.tokens):
+                return entry
+        for entry in candidates:  # a copy (Fabric's device copy): compared once, then known by its memory
             if _same_rows(tokens, entry.tokens):
+                _adopt_copies(entry, tokens, kwargs)
                 return entry
         raise ValueError(unmatched_call_error(tokens, self.current, len(self.unused)))
 
@@ -118,12 +126,37 @@ def _token_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     return None
 
 
-def _same_rows(given: torch.Tensor, recorded: Optional[torch.Tensor]) -> bool:
-    """``given`` is ``recorded`` (the same object or the same values, e.g. a device copy), or its first rows."""
+def _shares_rows(given: torch.Tensor, recorded: Optional[torch.Tensor]) -> bool:
+    """``given`` is ``recorded`` or a view of its first rows (the same memory, read on the host only)."""
     if recorded is None:
         return False
     if given is recorded:
         return True
+    return (given.ndim == 2 and given.device == recorded.device and given.dtype == recorded.dtype
+            and given.shape[1] == recorded.shape[1] and given.shape[0] <= recorded.shape[0]
+            and given.stride() == recorded.stride() and given.storage_offset() == recorded.storage_offset()
+            and given.untyped_storage().data_ptr() == recorded.untyped_storage().data_ptr())
+
+
+def _adopt_copies(entry: RecordedBatch, tokens: torch.Tensor, kwargs: dict) -> None:
+    """The call's copies of the whole batch's tensors become the batch's (the token tensor matched by value; each other
+    step tensor after one comparison of its own), so that the step's later calls, and the call completion's check of
+    the given positions and mask (:func:`lightning_ulysses.models.calls.same_data`), recognise them by memory."""
+    recorded = entry.tokens
+    if recorded is None or tokens.shape != recorded.shape:
+        return  # first rows only: the batch keeps its own tensors
+    entry.batch["input_ids"] = tokens
+    for key in STEP_KEYS[1:]:
+        given, own = kwargs.get(key), entry.batch.get(key)
+        if isinstance(given, torch.Tensor) and isinstance(own, torch.Tensor) and given is not own \
+                and given.shape == own.shape and bool(torch.equal(given, own.to(given.device))):
+            entry.batch[key] = given
+
+
+def _same_rows(given: torch.Tensor, recorded: Optional[torch.Tensor]) -> bool:
+    """``given`` holds ``recorded``'s values (e.g. a device copy), or its first rows' (a device read)."""
+    if recorded is None:
+        return False
     if given.ndim != 2 or given.shape[1] != recorded.shape[1] or given.shape[0] > recorded.shape[0]:
         return False
     return bool(torch.equal(given, recorded[: given.shape[0]].to(given.device)))
