@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_ulysses import _compat, front_end
 from lightning_ulysses.checkpoint import saving
+from lightning_ulysses.config import SequenceParallelConfig
 from lightning_ulysses.data.loaders import ShardInfoQueue
 from lightning_ulysses.data.setup import prepare_dataloader
 from lightning_ulysses.front_end import SequenceParallelFrontEnd
@@ -117,11 +118,10 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         preflight: str = "stop",
         **kwargs: Any,
     ) -> None:
+        # every value checked before anything is built; per-token outputs are the user's to gather under Fabric
+        settings = SequenceParallelConfig.from_arguments({**locals(), "gather_predictions": False})
         super().__init__(**kwargs)
-        self._init_sequence_parallel(sp_size, ring_size, sdpa_per_document, attention_modules,
-                                     memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints),
-                                     check_sp_agreement, verify_checkpoints, check_model_form,
-                                     allow_untested_versions, memory_budget, preflight)
+        self._init_sequence_parallel(settings)
         self._steps: Optional[ForwardSteps] = None
         self._module: Optional[Module] = None  # the model set up (one per strategy)
         self._backward_sync_control = AccumulationWindow()
@@ -131,7 +131,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
     @override
     def setup_environment(self) -> None:
         # Fabric's DeepSpeedStrategy refuses anything but CUDA; the DDP set-up underneath works for CPU/gloo too.
-        self._set_up_sequence_parallel(lambda: DDPStrategy.setup_environment(self), gather_predictions=False)
+        self._set_up_sequence_parallel(lambda: DDPStrategy.setup_environment(self))
         if self._steps is None:
             self._steps = ForwardSteps(self.runner)
 
@@ -145,12 +145,6 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
             _compat.format_fabric_deepspeed_config(self)
             return
         super()._setup_distributed()
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        # All ranks of an SP group read the same samples: the sampler is split over the dp replicas only.
-        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
 
     # ----------------------------------------------------------------------------------------------- model
     @override

@@ -7,7 +7,7 @@ share beyond calling those owners are here, once.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -15,11 +15,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 
 from lightning_ulysses import _compat
+from lightning_ulysses.config import SequenceParallelConfig
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.drift.guard import DriftReport, enforce_tested_versions
-from lightning_ulysses.models import building, memory
+from lightning_ulysses.models import building
 from lightning_ulysses.models.preparation import PreparedModels
-from lightning_ulysses.parallel.attention import ModuleSelector
 from lightning_ulysses.parallel.geometry import SequenceGeometry
 from lightning_ulysses.parallel.layout import (
     SequenceParallelLayout,
@@ -84,30 +84,10 @@ class SequenceParallelFrontEnd:
     properties and the public step API, each forwarded to its owner. Mixed into the Trainer's and Fabric's
     ``UlyssesDeepSpeedStrategy`` in front of Lightning's ``DeepSpeedStrategy``."""
 
-    def _init_sequence_parallel(self, sp_size: Optional[int], ring_size: int, sdpa_per_document: bool,
-                                attention_modules: Optional[Sequence[ModuleSelector]],
-                                memory_features: memory.MemoryFeatures, check_sp_agreement: bool,
-                                verify_checkpoints: bool, check_model_form: bool,
-                                allow_untested_versions: bool = False, memory_budget: Optional[int] = None,
-                                preflight: str = "stop") -> None:
-        if sp_size is not None:
-            validate_sp_size(sp_size, sp_size)  # type and sign; the world size is checked once it is known
-        validate_ring_size(ring_size, sp_size if sp_size is not None else ring_size)  # divisibility once known
-        self.ring_size = ring_size
-        self._requested_sp_size = sp_size
-        self.sdpa_per_document = sdpa_per_document
-        self.attention_modules = list(attention_modules or [])
-        self.memory_features = memory_features
-        self.check_sp_agreement = check_sp_agreement
-        self.verify_checkpoints = verify_checkpoints
-        self.check_model_form = check_model_form
-        self.allow_untested_versions = allow_untested_versions
-        if preflight not in preflight_check.MODES:
-            raise ValueError(f"preflight must be one of {preflight_check.MODES}, not {preflight!r}.")
-        if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
-            raise ValueError(f"memory_budget must be a positive number of bytes per rank, not {memory_budget!r}.")
-        self.memory_budget = memory_budget
-        self.preflight = preflight
+    def _init_sequence_parallel(self, settings: SequenceParallelConfig) -> None:
+        """Keep the front end's settings (validated by :class:`SequenceParallelConfig` once) and the empty state the
+        set-up fills: the layout, the step runner, the prepared models, the patch stack."""
+        self.settings = settings
         self._preflight_skipped: Optional[str] = None
         self._drift: Optional[DriftReport] = None  # the drift check's finding, once per strategy
         self._layout: Optional[SequenceParallelLayout] = None
@@ -116,9 +96,27 @@ class SequenceParallelFrontEnd:
         self._patches = PatchStack()  # every change to the user's objects and to other libraries, closed in teardown
         self._form_checks_before = 0  # model-form checks of the stages before the current one
 
+    # The settings read as attributes of the strategy (read-only: the config object is their one owner).
+    ring_size = property(lambda self: self.settings.ring_size)
+    sdpa_per_document = property(lambda self: self.settings.sdpa_per_document)
+    attention_modules = property(lambda self: list(self.settings.attention_modules))
+    memory_features = property(lambda self: self.settings.memory_features)
+    check_sp_agreement = property(lambda self: self.settings.check_sp_agreement)
+    verify_checkpoints = property(lambda self: self.settings.verify_checkpoints)
+    check_model_form = property(lambda self: self.settings.check_model_form)
+    allow_untested_versions = property(lambda self: self.settings.allow_untested_versions)
+    memory_budget = property(lambda self: self.settings.memory_budget)
+    preflight = property(lambda self: self.settings.preflight)
+    gather_predictions = property(lambda self: self.settings.gather_predictions)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """All ranks of an SP group read the same samples: the sampler is split over the dp replicas only."""
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
     _front_end_name = "trainer"  # which touch points the drift check runs ("trainer" or "fabric")
 
-    def _set_up_sequence_parallel(self, set_up_processes: Callable[[], None], gather_predictions: bool) -> None:
+    def _set_up_sequence_parallel(self, set_up_processes: Callable[[], None]) -> None:
         """Both front ends' ``setup_environment``: the world checked, DeepSpeed put on CPU when Lightning runs there,
         the process group set up (``set_up_processes``: the DDP set-up under Lightning's DeepSpeed one, which
         refuses CPU), the installed libraries checked against the tested versions (on every rank, before any model
@@ -144,7 +142,7 @@ class SequenceParallelFrontEnd:
             agreement = (SPAgreement(layout.sp_group, layout.sp_group_ranks(), self.root_device)
                          if self.check_sp_agreement and layout.sp_size > 1 else None)
             self._runner = StepRunner(layout, context, self._models, agreement, self.root_device,
-                                      agree_on_tile_counts=False, gather_predictions=gather_predictions,
+                                      agree_on_tile_counts=False, gather_predictions=self.gather_predictions,
                                       check_model_form=self.check_model_form)
             self._runner.after_form_check = lambda: _compat.restart_zero3_trace(self.model)  # the engine by then
             self._runner.preflight = self._preflight_first_step
@@ -200,10 +198,11 @@ class SequenceParallelFrontEnd:
 
     @property
     def sp_size(self) -> int:
-        """Ranks per SP group (resolved from the devices per node if ``sp_size=None`` was given)."""
-        if self._requested_sp_size is not None:
-            return self._requested_sp_size
-        return self.num_processes
+        """Ranks per SP group (the layout's once it exists; before, as requested, or the devices per node if
+        ``sp_size=None`` was given)."""
+        if self._layout is not None:
+            return self._layout.sp_size
+        return self.settings.sp_size_for(self.num_processes)
 
     @property
     def layout(self) -> SequenceParallelLayout:

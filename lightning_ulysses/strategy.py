@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_ulysses import _compat, front_end
 from lightning_ulysses.checkpoint import saving
+from lightning_ulysses.config import SequenceParallelConfig
 from lightning_ulysses.data.setup import prepare_dataloader
 from lightning_ulysses.data.sharding import automatic_batching_off_error
 from lightning_ulysses.front_end import SequenceParallelFrontEnd
@@ -147,17 +148,14 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         preflight: str = "stop",
         **kwargs: Any,
     ) -> None:
+        settings = SequenceParallelConfig.from_arguments(locals())  # every value checked before anything is built
         super().__init__(**kwargs)
-        self._init_sequence_parallel(sp_size, ring_size, sdpa_per_document, attention_modules,
-                                     memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints),
-                                     check_sp_agreement, verify_checkpoints, check_model_form,
-                                     allow_untested_versions, memory_budget, preflight)
-        self.gather_predictions = gather_predictions
+        self._init_sequence_parallel(settings)
 
     @override
     def setup_environment(self) -> None:
         # Lightning's DeepSpeedStrategy refuses anything but CUDA; the DDP setup underneath works for CPU/gloo too.
-        self._set_up_sequence_parallel(lambda: DDPStrategy.setup_environment(self), self.gather_predictions)
+        self._set_up_sequence_parallel(lambda: DDPStrategy.setup_environment(self))
         if self.lightning_module is not None:
             _compat.set_device_mesh(self.lightning_module, self._layout.mesh)
 
@@ -172,12 +170,6 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
             self._init_deepspeed_distributed()
             return
         super().setup_distributed()
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        # All ranks of an SP group read the same samples: the sampler is split over the dp replicas only.
-        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
 
     # ----------------------------------------------------------------------------------------------- model
     @contextmanager

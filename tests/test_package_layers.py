@@ -20,7 +20,7 @@ LAYERS = [
     {"models"},
     {"checkpoint", "evaluation", "profiling", "plan"},
     {"drift"},
-    {"front_end"},
+    {"front_end", "config"},
     {"strategy", "fabric", "__init__"},
 ]
 

@@ -49,7 +49,7 @@ from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.models import position_numbering
 from lightning_ulysses.parallel.geometry import SequenceGeometry
 from lightning_ulysses.parallel.layout import group_size
-from lightning_ulysses.patches import held_on_instance, put_on_instance, take_from_instance
+from lightning_ulysses.patches import put_on_instance, take_from_instance
 from lightning_ulysses.training.step_context import StepContext, StepFacts
 
 PROBE_TOKENS_PER_BLOCK = 4

@@ -28,7 +28,7 @@ from torch import nn
 
 from lightning_ulysses.models import hf
 from lightning_ulysses.parallel.layout import group_rank, group_size
-from lightning_ulysses.patches import held_on_instance, put_on_instance, replaced, take_from_instance
+from lightning_ulysses.patches import held_on_instance, put_on_instance, take_from_instance
 from lightning_ulysses.training import sequence_reductions
 from lightning_ulysses.training.step_context import StepContext
 

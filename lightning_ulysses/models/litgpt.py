@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_ulysses import _compat
 from lightning_ulysses.parallel.attention import ulysses_attention
-from lightning_ulysses.patches import held_on_instance, on_instance, put_on_instance, replaced, take_from_instance
+from lightning_ulysses.patches import held_on_instance, on_instance, put_on_instance, take_from_instance
 from lightning_ulysses.training.step_context import StepContext
 
 _SAVED = "_ulysses_litgpt_saved"

@@ -95,7 +95,7 @@ class LaunchReport(Callback):
         report = {
             "strategy_class": f"{type(strategy).__module__}.{type(strategy).__qualname__}",
             "sp_size": strategy.sp_size,
-            "requested_sp_size": strategy._requested_sp_size,
+            "requested_sp_size": strategy.settings.sp_size,
             "stage": zero["stage"],
             "offload_optimizer": "offload_optimizer" in zero,
             "launcher": type(strategy.launcher).__name__ if strategy.launcher is not None else None,
