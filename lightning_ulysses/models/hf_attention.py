@@ -19,6 +19,7 @@ Only such calls take the block path (:func:`~lightning_ulysses.parallel.image_bl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -26,12 +27,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ulysses import _compat
+from lightning_ulysses._compat import ATTENTION_PREFIX
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.parallel.exchange import (head_counts, head_to_sequence_shards,
                                                 sequence_to_head_shards)
 from lightning_ulysses.parallel.layout import group_rank, group_size
 from lightning_ulysses.parallel.sinks import sink_attention
-from lightning_ulysses._compat import ATTENTION_PREFIX
 from lightning_ulysses.parallel.image_blocks import (IMAGE_BLOCKS_KWARG, ImageBlocks, attend_image_blocks,
                                                  refuse_unsupported_image_blocks)
 from lightning_ulysses.parallel.ring import causal_window_mask, document_ids, ring_attention
@@ -219,12 +220,133 @@ def global_query_temperature(module: nn.Module, query: torch.Tensor, shard: Opti
     return query * factor.to(query.dtype).view(1, 1, s, 1)
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention call asks of the whole sequence, declared from the module, the call's keywords and the
+    step's facts before any exchange or kernel runs (every refusal is raised while declaring it).
+
+    Attributes:
+        kernel: the model's attention implementation (``sdpa``, ``flash_attention_2``, ``flex_attention``, ...).
+        causal: the layer attends causally (``False``: an encoder).
+        window: the layer's sliding window, ``None`` if none.
+        chunk: the layer's attention chunk (chunked local attention), ``None`` if none.
+        documents: the step's shard facts when its rows pack several documents, else ``None``.
+        image_blocks: the call's bidirectional image blocks, else ``None``.
+        sinks: per-head sink logits ``[Hq]`` (every head's; each rank takes its own), else ``None``.
+        ring: the SP group is several ring groups (hybrid Ulysses × ring).
+    """
+
+    kernel: str
+    causal: bool = True
+    window: Optional[int] = None
+    chunk: Optional[int] = None
+    documents: Optional[ShardInfo] = None
+    image_blocks: Optional[ImageBlocks] = None
+    sinks: Optional[torch.Tensor] = None
+    ring: bool = False
+
+    @classmethod
+    def declare(cls, module: nn.Module, kernel: str, query: torch.Tensor, value: torch.Tensor,
+                attention_mask: Any, kwargs: dict[str, Any], context: StepContext) -> "AttentionSpec":
+        """The spec of one call of ``module`` (``query [B, Hq, s, D]``, ``value [B, Hkv, s, Dv]``); takes the
+        strategy's own keywords out of ``kwargs`` and refuses, before compute, what the exchange cannot make exact."""
+        for name in _LOCAL_POSITION_KWARGS:
+            kwargs.pop(name, None)
+        blocks: Optional[ImageBlocks] = kwargs.pop(IMAGE_BLOCKS_KWARG, None)
+        sinks = kwargs.pop("s_aux", None)  # per-head sink logits [Hq] (GPT-OSS): each rank takes its heads' below
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (query.shape[1],)):
+            kwargs["s_aux"] = sinks  # not one logit per query head: refused below as an unsharded tensor
+            sinks = None
+        _refuse_unshardable_inputs(module, attention_mask, kwargs)
+        causal = bool(getattr(module, "is_causal", True))
+        if blocks:  # refused before the forward already (the call's completion); kept here for any other caller
+            refuse_unsupported_image_blocks(type(module).__name__, kernel, context.ring_size, _packed(context),
+                                            causal)
+        chunk = chunk_size_of(module)
+        if chunk is not None:
+            _refuse_unsupported_chunks(module, context, chunk, bool(blocks))
+        if sinks is not None:
+            _refuse_unsupported_sinks(module, context, chunk, bool(blocks))
+        window = sliding_window_of(kwargs)
+        if not kernel.startswith("flash_attention"):  # flash applies the window itself; sdpa and flex get it here
+            kwargs.pop("sliding_window", None)
+        if not causal:
+            _refuse_unsupported_bidirectional(module, kernel, context, query.device)
+        ring = context.ring_size > 1
+        if ring and sinks is None and value.shape[-1] != query.shape[-1]:
+            raise ValueError(ring_head_sizes_error(type(module).__name__, query.shape[-1], value.shape[-1]))
+        shard = context.shard_info
+        documents = shard if shard is not None and shard.packed else None
+        return cls(kernel, causal, window, chunk, documents, blocks or None, sinks, ring)
+
+
+# Ways to attend over the whole sequence (``q [B, hq, S, D]``, ``k, v [B, hkv, S, D]`` after the exchange; each
+# returns ``[B, S, hq, D]``, the ring ``[B, S/R, hq, D]``), each with the rule that picks it: the first that applies
+# runs. One table instead of branches: a new kind of attention is a new row.
+def _with_sinks(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kwargs: dict[str, Any], context: StepContext) -> torch.Tensor:
+    local = _local_heads(spec.sinks, spec.sinks.shape[0], context.ulysses_group)  # [hq]: this rank's heads' sinks
+    scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
+    return sink_attention(q, k, v, local, spec.window, scale)
+
+
+def _over_the_ring(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, kwargs: dict[str, Any], context: StepContext) -> torch.Tensor:
+    documents = None  # [B, S]: the document of every global position
+    if spec.documents is not None:
+        documents = document_ids(spec.documents.cu_seqlens, q.shape[0], spec.documents.padded_len, q.device)
+    return ring_attention(view, q, k, v, context.ring_group, spec.window, kwargs, documents)
+
+
+def _in_chunks(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kwargs: dict[str, Any], context: StepContext) -> torch.Tensor:
+    return _attend_chunks(spec.kernel, inner, view, q, k, v, spec.chunk, kwargs)
+
+
+def _per_document(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kwargs: dict[str, Any], context: StepContext) -> torch.Tensor:
+    if not keeps_documents_apart(spec.kernel, context.sdpa_per_document):
+        raise ValueError(packed_documents_error(spec.kernel))
+    return _attend_documents(spec.kernel, inner, view, q, k, v, spec.documents, kwargs, spec.window)
+
+
+def _flex(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          kwargs: dict[str, Any], context: StepContext) -> torch.Tensor:
+    return inner(view, q, k, v, _flex_block_mask(q.shape[2], q.device, None, spec.window), **kwargs)[0]
+
+
+def _sdpa(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          kwargs: dict[str, Any], context: StepContext) -> torch.Tensor:
+    return _sdpa_causal(inner, view, q, k, v, spec.window, kwargs)
+
+
+def _kernel_itself(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, kwargs: dict[str, Any], context: StepContext) -> torch.Tensor:
+    return inner(view, q, k, v, None, **kwargs)[0]  # flash: causal and its window over the whole sequence
+
+
+ATTENTION_PATHS: tuple[tuple[str, Callable[[AttentionSpec, int], bool], Callable[..., torch.Tensor]], ...] = (
+    ("sinks", lambda spec, S: spec.sinks is not None, _with_sinks),
+    ("ring", lambda spec, S: spec.ring, _over_the_ring),
+    ("chunks", lambda spec, S: spec.chunk is not None and spec.chunk < S, _in_chunks),
+    ("documents", lambda spec, S: spec.documents is not None, _per_document),
+    ("flex", lambda spec, S: spec.kernel == "flex_attention", _flex),
+    ("sdpa", lambda spec, S: spec.kernel == "sdpa", _sdpa),
+    ("kernel", lambda spec, S: True, _kernel_itself),
+)
+
+
+def attention_path(spec: AttentionSpec, seq_len: int) -> str:
+    """The name of the way :data:`ATTENTION_PATHS` attends for ``spec`` over ``seq_len`` positions."""
+    return next(name for name, applies, _ in ATTENTION_PATHS if applies(spec, seq_len))
+
+
 def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor, None]]:
     def ulysses_attention_forward(
         module: nn.Module,
         query: torch.Tensor,  # [B, Hq, s, D]
         key: torch.Tensor,  # [B, Hkv, s, D]
-        value: torch.Tensor,  # [B, Hkv, s, D]
+        value: torch.Tensor,  # [B, Hkv, s, Dv]
         attention_mask: Optional[torch.Tensor],
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
@@ -236,59 +358,17 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
             )
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        for name in _LOCAL_POSITION_KWARGS:
-            kwargs.pop(name, None)
-        blocks: Optional[ImageBlocks] = kwargs.pop(IMAGE_BLOCKS_KWARG, None)
-        sinks = kwargs.pop("s_aux", None)  # per-head sink logits [Hq] (GPT-OSS): each rank takes its heads' below
-        if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (query.shape[1],)):
-            kwargs["s_aux"] = sinks  # not one logit per query head: refused below as an unsharded tensor
-            sinks = None
-        _refuse_unshardable_inputs(module, attention_mask, kwargs)
-        if blocks:  # refused before the forward already (the call's completion); kept here for any other caller
-            refuse_unsupported_image_blocks(type(module).__name__, inner_name, context.ring_size,
-                                            _packed(context), bool(getattr(module, "is_causal", True)))
+        spec = AttentionSpec.declare(module, inner_name, query, value, attention_mask, kwargs, context)
         group = context.ulysses_group
         query = global_query_temperature(module, query, context.shard_info)
-        chunk = chunk_size_of(module)
-        if chunk is not None:
-            _refuse_unsupported_chunks(module, context, chunk, bool(blocks))
         q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
-        if sinks is not None:
-            _refuse_unsupported_sinks(module, context, chunk, bool(blocks))
-            local = _local_heads(sinks, query.shape[1], group)  # [hq]: the sinks of this rank's heads
-            scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
-            out = sink_attention(q, k, v, local, sliding_window_of(kwargs), scale)  # [B, S, hq, D]
-            return head_to_sequence_shards(out, group, query.shape[1]).contiguous(), None
         inner = ALL_ATTENTION_FUNCTIONS[inner_name]
         view = _LocalHeadsView(module, q.shape[1] // k.shape[1])
-        # flash applies the window itself (its `sliding_window` keyword); sdpa and flex get it here.
-        window = sliding_window_of(kwargs)
-        if not inner_name.startswith("flash_attention"):
-            kwargs.pop("sliding_window", None)
-        shard = context.shard_info
-        if not getattr(module, "is_causal", True):
-            _refuse_unsupported_bidirectional(module, inner_name, context, query.device)
-        if context.ring_size > 1:  # hybrid: q holds this ring rank's S/R tokens, attend over all S
-            if v.shape[-1] != q.shape[-1]:
-                raise ValueError(ring_head_sizes_error(type(module).__name__, q.shape[-1], v.shape[-1]))
-            documents = None
-            if shard is not None and shard.packed:  # [B, S]: the document of every global position
-                documents = document_ids(shard.cu_seqlens, q.shape[0], shard.padded_len, q.device)
-            out = ring_attention(view, q, k, v, context.ring_group, window, kwargs, documents)  # [B, S/R, hq, D]
-        elif chunk is not None and chunk < q.shape[2]:
-            out = _attend_chunks(inner_name, inner, view, q, k, v, chunk, kwargs)  # [B, S, hq, D]
-        elif shard is not None and shard.packed:
-            if not keeps_documents_apart(inner_name, context.sdpa_per_document):
-                raise ValueError(packed_documents_error(inner_name))
-            out = _attend_documents(inner_name, inner, view, q, k, v, shard, kwargs, window)  # [B, S, hq, D]
-        elif inner_name == "flex_attention":  # the causal (and window) structure of the full sequence
-            out, _ = inner(view, q, k, v, _flex_block_mask(q.shape[2], q.device, None, window), **kwargs)
-        elif inner_name == "sdpa":
-            out = _sdpa_causal(inner, view, q, k, v, window, kwargs)  # [B, S, hq, D]
-        else:
-            out, _ = inner(view, q, k, v, None, **kwargs)  # [B, S, hq, D]
-        if blocks:  # the rows of the image blocks' queries, over the keys their blocks let them see
-            out = attend_image_blocks(_masked_attention(inner, view, kwargs), q, k, v, out, blocks, window)
+        run = next(run for _, applies, run in ATTENTION_PATHS if applies(spec, q.shape[2]))
+        out = run(spec, inner, view, q, k, v, kwargs, context)  # [B, S, hq, D] (ring: [B, S/R, hq, D])
+        if spec.image_blocks and spec.sinks is None:  # the image blocks' queries, over the keys their blocks see
+            out = attend_image_blocks(_masked_attention(inner, view, kwargs), q, k, v, out, spec.image_blocks,
+                                      spec.window)
         # [B, s, Hq, D], contiguous as transformers' own kernels return it (JetMoE and AFMoE `.view` it)
         return head_to_sequence_shards(out, group, query.shape[1]).contiguous(), None
 
