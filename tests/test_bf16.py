@@ -1,6 +1,7 @@
 """bf16 as users run it: under SP=2, Lightning's ``bf16-true`` and ``bf16-mixed`` (DeepSpeed's bf16 mode: bf16
-weights and activations, float32 master weights) at ZeRO 2 and at ZeRO 3 with every parameter partitioned, for the
-model's LM loss and for a DPO objective reduced with ``strategy.sequence_sum``.
+weights and activations, float32 master weights) and bf16 switched on in the user's own DeepSpeed config, at ZeRO 2
+and at ZeRO 3 with every parameter partitioned, for the model's LM loss and for a DPO objective reduced with
+``strategy.sequence_sum``.
 
 Criterion (SP adds no error beyond bf16's own): against a float64 run of the same training on one device, SP's
 per-step losses and its weight updates are off by at most twice what the same training in bf16 on one device is off
@@ -24,6 +25,10 @@ LM_RUNS = {
                                 strategy={"config": {"zero_optimization": {
                                     "stage": 3, "stage3_param_persistence_threshold": 0},
                                     "zero_allow_untested_optimizer": True}}),
+    # bf16 switched on in the user's own DeepSpeed config (Lightning's precision left at its default "32-true"):
+    # DeepSpeed casts the model to bf16 and keeps float32 master weights, as bf16-mixed does
+    "lm_bf16_deepspeed_config_zero2": _run(2, 2, sp_size=2, batch_size=1, num_rows=STEPS, strategy={"config": {
+        "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}}),
     # the ALST memory switches (tiled MLP and loss, offloaded checkpoints) and ring attention (ring 2 x Ulysses 1)
     "lm_bf16_true_alst_zero2": _run(2, 2, sp_size=2, batch_size=1, num_rows=STEPS, trainer={"precision": "bf16-true"},
                                     strategy={"tiled_mlp": 4, "tiled_loss": 4, "offload_checkpoints": True}),
@@ -132,6 +137,8 @@ def test_bf16_under_sp_adds_no_error_beyond_bf16s_own(runs, name, kind, record_p
     for result in results:
         assert result.get("error_type") is None, result.get("message")
     assert results[0]["losses"] == results[1]["losses"]  # SP peers: the same full-sequence loss
+    if kind == "lm":  # it trained in bf16 (else the criterion would pass trivially)
+        assert results[0]["parameter_dtypes"] == ["torch.bfloat16"], results[0]["parameter_dtypes"]
     weights = results[0]["weights"]
     if kind != "lm":
         weights = {k: v for k, v in weights.items() if k in exact["weights"]}

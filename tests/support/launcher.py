@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -71,6 +72,7 @@ class _ForkServer:
                 self.process.wait(timeout=10)
             except (OSError, subprocess.TimeoutExpired):
                 self.process.kill()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 _server: Optional[_ForkServer] = None

@@ -32,10 +32,12 @@ class Recorder(Callback):
         self.train_batch_size: int = 0
         self.features_active: dict = {}
         self.tile_shard_lens: list = []  # per step: the shard length tile counts followed (None: the local one)
+        self.parameter_dtypes: set[str] = set()  # the dtypes the model's parameters train in (as the steps see them)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.input_shapes.append(tuple(batch["input_ids"].shape))
         model = pl_module.model
+        self.parameter_dtypes.update(str(p.dtype) for p in model.parameters())
         self.features_active = {
             "tiled_mlps": sum("forward" in m.__dict__ for n, m in model.named_modules() if n.endswith(".mlp")),
             "forward_replaced": "forward" in model.__dict__,
@@ -157,5 +159,6 @@ def fit_one(run: FitSpec) -> tuple[dict, Trainer]:
                  "sp_mesh_group": torch.distributed.get_process_group_ranks(strategy.layout.sp_mesh.get_group()),
                  "module_mesh_is_strategy_mesh": module.device_mesh is strategy.device_mesh},
         "train_batch_size": recorder.train_batch_size,
+        "parameter_dtypes": sorted(recorder.parameter_dtypes),
         "features_active": recorder.features_active,
     }, trainer
