@@ -16,27 +16,10 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
 from lightning_ulysses import _compat
-from lightning_ulysses.models import (
-    building,
-    calls,
-    cross_module_reads,
-    form_check,
-    generation,
-    hf,
-    hf_attention,
-    litgpt,
-    memory,
-    moe,
-    refusals,
-    sequence_classification,
-    vision_language,
-)
-from lightning_ulysses.parallel.attention import (
-    ModuleSelector,
-    find_attention_cores,
-    unwrap_attention_core,
-    wrap_attention_core,
-)
+from lightning_ulysses.models import building, cross_module_reads, form_check, hf, hf_attention, memory, moe
+from lightning_ulysses.models import vision_language
+from lightning_ulysses.models.adapters import ADAPTERS, ModelAdapter, PreparationSettings
+from lightning_ulysses.parallel.attention import ModuleSelector
 from lightning_ulysses.parallel.layout import SequenceParallelLayout
 from lightning_ulysses.patches import PatchStack
 from lightning_ulysses.training.step_context import StepContext
@@ -51,43 +34,37 @@ class PreparedModels:
         self.own_roots: list[Module] = []  # own models whose forward takes positions (call completion)
         self.litgpt: list[Module] = []  # LitGPT GPTs
         self.form_check_roots: list[Module] = []  # own models the model-form check runs
+        self._found: dict[str, list[Module]] = {}  # every prepared model by its adapter's kind
 
     def prepare(self, lightning_module: Module, context: StepContext, patches: PatchStack, *,
                 attention_modules: Sequence[ModuleSelector], ring_size: int, device_type: str,
                 memory_features: memory.MemoryFeatures, fitting: bool) -> None:
         """Validate and switch every model of ``lightning_module`` (a LightningModule, or the module Fabric sets
-        up) to its sequence-parallel form (before any compute); every change goes into ``patches``."""
-        sp_size = context.gradients.sp_size
-        models = hf.find_pretrained_models(lightning_module)
-        cores = [m for _, m in find_attention_cores(lightning_module, attention_modules)]
-        gpts = litgpt.find_litgpt_models(lightning_module)
-        if not models and not cores and not gpts and sp_size > 1:
+        up) to its sequence-parallel form (before any compute); every change goes into ``patches``. Each kind of
+        model is one adapter (:mod:`lightning_ulysses.models.adapters`): all are found and validated before any is
+        prepared."""
+        settings = PreparationSettings(context.gradients.sp_size, ring_size, device_type, tuple(attention_modules),
+                                       memory_features)
+        found: dict[str, list[Module]] = {}
+        for adapter in ADAPTERS:
+            found[adapter.kind] = adapter.find(lightning_module, settings, found)
+        models = found["hf"]
+        if not models and not found["cores"] and not found["litgpt"] and settings.sp_size > 1:
             raise ValueError(
-                f"UlyssesDeepSpeedStrategy(sp_size={sp_size}) found no Hugging Face PreTrainedModel and no"
+                f"UlyssesDeepSpeedStrategy(sp_size={settings.sp_size}) found no Hugging Face PreTrainedModel and no"
                 " attention core in the LightningModule, so there is no attention to run over the whole sequence:"
                 " each rank would attend only within its own shard and train a different model. Declare your"
                 " attention cores with `attention_modules=[...]` (classes or name patterns; see"
                 " docs/data-and-training-step.md, 'Your own model'), mark them with `ulysses_attention_core = True`,"
                 " or use `sp_size=1`."
             )
-        for model in models:
-            refusals.validate_model(model, sp_size, device_type, ring_size)
-        for model in gpts:
-            refusals.validate_litgpt_model(model, sp_size, ring_size)
-        if cores and ring_size > 1:
-            raise ValueError(
-                f"attention_modules (your own attention cores) are not supported with ring_size={ring_size} yet:"
-                " use ring_size=1."
-            )
+        for adapter in ADAPTERS:
+            adapter.validate(found[adapter.kind], settings)
         hf_attention.register_attention_functions()
+        hugging_face = ADAPTERS[0]
         for model in models:
-            patches.apply(f"{type(model).__name__}: Ulysses attention and SP loss",
-                          lambda m=model: hf.prepare_model(m, context), lambda m=model: hf.restore_model(m))
-            patches.apply(f"{type(model).__name__}: memory features",
-                          lambda m=model: memory.enable(m, memory_features, context), lambda m=model: memory.disable(m))
-            patches.apply(f"{type(model).__name__}: plain generate",
-                          lambda m=model: generation.install_plain_generate(m, context, context.zero_stage_3),
-                          lambda m=model: generation.remove_plain_generate(m))
+            hugging_face.prepare(model, context, patches, settings)
+        # what spans the stage's Hugging Face models: the MoE loss of the global batch, ZeRO-3 leaves, train mode
         patches.enter("transformers: MoE load-balancing loss", moe.exact_load_balancing_loss(models, context))
         if context.zero_stage_3:  # modules calling a submodule per data-dependent loop step: ZeRO-3 leaves
             leaves = [module for module, _ in cross_module_reads.loop_callers_reading_parameters(lightning_module)]
@@ -97,48 +74,35 @@ class PreparedModels:
         if fitting:
             modes = building.train_mode_for_fit(models)
             patches.apply("train mode for fit", lambda: None, lambda: building.restore_modes(modes))
-        for model in gpts:
-            patches.apply(f"{type(model).__name__}: LitGPT attention and RoPE",
-                          lambda m=model: litgpt.prepare_litgpt(m, context),
-                          lambda m=model: litgpt.restore_litgpt(m))
-        for core in cores:
-            patches.apply(f"{type(core).__name__}: attention core",
-                          lambda c=core: wrap_attention_core(c, context.sp_group, context),
-                          lambda c=core: unwrap_attention_core(c))
-        # Own models: the outermost modules around the attention cores whose forward takes `position_ids` get the
-        # shard's positions when called without them.
-        own_roots = calls.position_taking_roots(lightning_module, cores)
-        for root in own_roots:
-            patches.apply(f"{type(root).__name__}: call completion",
-                          lambda r=root: calls.install_call_completion(r, context, hf_model=False),
-                          lambda r=root: calls.remove_call_completion(r))
-        self.hf_models, self.cores, self.own_roots, self.litgpt = models, cores, own_roots, gpts
-        self.form_check_roots = form_check.own_model_roots(lightning_module, cores, models, own_roots)
+        for adapter in ADAPTERS[1:]:
+            for model in found[adapter.kind]:
+                adapter.prepare(model, context, patches, settings)
+        self._found = found
+        self.hf_models, self.cores, self.own_roots, self.litgpt = (found["hf"], found["cores"], found["own_roots"],
+                                                                   found["litgpt"])
+        self.form_check_roots = form_check.own_model_roots(lightning_module, self.cores, models, self.own_roots)
         patches.apply("prepared-model lists", lambda: None, self._forget)
 
     def _forget(self) -> None:
+        self._found = {}
         self.hf_models, self.cores, self.own_roots, self.litgpt, self.form_check_roots = [], [], [], [], []
+
+    def _prepared(self) -> list[tuple[ModelAdapter, Module]]:
+        return [(adapter, model) for adapter in ADAPTERS for model in self._found.get(adapter.kind, [])]
 
     # ------------------------------------------------------------------------------------------ during a stage
     def reinstall_hooks(self, context: StepContext) -> None:
         """The prepared models' forward pre-hooks again, after Lightning's DeepSpeed inference set-up removed every
         module's hooks (``remove_module_hooks``): without them a call during ``trainer.predict/test/validate`` would
         get positions counted from 0 on every rank."""
-        for model in self.hf_models:
-            hf.reinstall_hooks(model, context)
-        for root in self.own_roots:
-            calls.remove_call_completion(root)
-            calls.install_call_completion(root, context, hf_model=False)
-        for model in self.litgpt:
-            litgpt.reinstall_hooks(model, context)
+        for adapter, model in self._prepared():
+            adapter.reinstall_hooks(model, context)
 
     def check_hooks(self) -> None:
         """Every prepared model still has its call-completion hook (checked before each step: something that clears
         module hooks after the strategy prepared the models would otherwise let shards run as whole sequences)."""
-        for model in [*self.hf_models, *self.own_roots, *self.litgpt]:
-            present = (litgpt.has_hooks(model) if litgpt.is_litgpt_gpt(model)
-                       else calls.has_call_completion(model))
-            if not present:
+        for adapter, model in self._prepared():
+            if not adapter.has_hooks(model):
                 raise RuntimeError(
                     f"The forward pre-hook UlyssesDeepSpeedStrategy installed on {type(model).__name__} is gone:"
                     " something removed the module hooks after the strategy prepared the model (Lightning's DeepSpeed"
@@ -177,12 +141,10 @@ class PreparedModels:
                            f" shorter than the length thresholds {unchecked} of the model's config, which the"
                            " strategy does not know: what the model does past them is not checked. If the model"
                            " computes them from positions, train a short run against one device at that length.")
-        # a sequence classifier's pooling runs over the whole sequence (sequence_classification.py): its backbone is
-        # the part that is sharded, per token
-        targets = [(sequence_classification.backbone_of(m) if sequence_classification.is_sequence_classifier(m)
-                    else m, form_check.whole_hf_call, form_check.sharded_hf_call) for m in self.hf_models]
+        hugging_face, litgpt_models = ADAPTERS[0], ADAPTERS[1]
+        targets = [target for m in self.hf_models for target in hugging_face.probe_targets(m)]
         targets += [(root, form_check.whole_own_call, form_check.sharded_own_call) for root in self.form_check_roots]
-        targets += [(m, form_check.whole_litgpt_call, form_check.sharded_own_call) for m in self.litgpt]
+        targets += [target for m in self.litgpt for target in litgpt_models.probe_targets(m)]
         rounds = [(targets, probe)]
         if context.shard_info.positions_filled and self.hf_models:  # the batch has no positions: as one device runs it
             numbering = [(m, form_check.whole_hf_call_numbering_itself, form_check.sharded_hf_call)
