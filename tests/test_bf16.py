@@ -1,7 +1,7 @@
 """bf16 as users run it: under SP=2, Lightning's ``bf16-true`` and ``bf16-mixed`` (DeepSpeed's bf16 mode: bf16
 weights and activations, float32 master weights) and bf16 switched on in the user's own DeepSpeed config, at ZeRO 2
-and at ZeRO 3 with every parameter partitioned, for the model's LM loss and for a DPO objective reduced with
-``strategy.sequence_sum``.
+and at ZeRO 3 with every parameter partitioned, with SGD and with Adam, for the model's LM loss and for a DPO
+objective reduced with ``strategy.sequence_sum``.
 
 Criterion (SP adds no error beyond bf16's own): against a float64 run of the same training on one device, SP's
 per-step losses and its weight updates are off by at most twice what the same training in bf16 on one device is off
@@ -9,6 +9,8 @@ per-step losses and its weight updates are off by at most twice what the same tr
 that rounds twice, is off by more. The measured ratios are in docs/performance.md#bf16."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from tests.test_parity import LR, SEQ_LEN, STEPS, _run
 
 pytestmark = pytest.mark.multiprocess
 
+ADAM_LR = 1e-2
 LM_RUNS = {
     "lm_bf16_true_zero2": _run(2, 2, sp_size=2, batch_size=1, num_rows=STEPS, trainer={"precision": "bf16-true"}),
     "lm_bf16_mixed_zero3": _run(3, 2, sp_size=2, batch_size=1, num_rows=STEPS, trainer={"precision": "bf16-mixed"},
@@ -29,6 +32,9 @@ LM_RUNS = {
     # DeepSpeed casts the model to bf16 and keeps float32 master weights, as bf16-mixed does
     "lm_bf16_deepspeed_config_zero2": _run(2, 2, sp_size=2, batch_size=1, num_rows=STEPS, strategy={"config": {
         "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}}),
+    # Adam (float32 master weights and moments, as DeepSpeed keeps them)
+    "lm_bf16_true_adam_zero2": replace(_run(2, 2, sp_size=2, batch_size=1, num_rows=STEPS,
+                                            trainer={"precision": "bf16-true"}, optimizer="adam"), lr=ADAM_LR),
     # the ALST memory switches (tiled MLP and loss, offloaded checkpoints) and ring attention (ring 2 x Ulysses 1)
     "lm_bf16_true_alst_zero2": _run(2, 2, sp_size=2, batch_size=1, num_rows=STEPS, trainer={"precision": "bf16-true"},
                                     strategy={"tiled_mlp": 4, "tiled_loss": 4, "offload_checkpoints": True}),
@@ -54,31 +60,38 @@ def runs():
     return launch(2, "bf16:run", payload, timeout=900)
 
 
-def _sgd(module, trainable, loss_of_step, lr: float, dtype: torch.dtype) -> dict:
-    """Plain SGD on one device with ``module`` in ``dtype``; bf16 keeps float32 master weights (as DeepSpeed does)."""
+def _sgd(module, trainable, loss_of_step, lr: float, dtype: torch.dtype, optimizer: str = "sgd") -> dict:
+    """Plain SGD (or Adam) on one device with ``module`` in ``dtype``; bf16 keeps float32 master weights, and Adam
+    float32 moments, as DeepSpeed does."""
     module.to(dtype)
     initial = {k: p.detach().double().clone() for k, p in trainable(module).items()}
-    master = {k: p.detach().float().clone() if dtype == torch.bfloat16 else None for k, p in trainable(module).items()}
+    master = {k: p.detach().float().clone() if dtype == torch.bfloat16 else p for k, p in trainable(module).items()}
+    adam = torch.optim.Adam(list(master.values()), lr=lr) if optimizer == "adam" else None
     losses = []
     for step in range(STEPS):
         loss = loss_of_step(module, step)
         loss.backward()
         with torch.no_grad():
             for name, p in trainable(module).items():
-                if p.grad is None:
-                    continue
-                if master[name] is None:
-                    p -= lr * p.grad
-                else:
-                    master[name] -= lr * p.grad.float()
+                if p.grad is not None and master[name] is not p:
+                    master[name].grad = p.grad.float()
+            if adam is not None:
+                adam.step()
+            else:
+                for weights in master.values():
+                    if weights.grad is not None:
+                        weights -= lr * weights.grad
+            for name, p in trainable(module).items():
+                if master[name] is not p:
                     p.copy_(master[name])
+                    master[name].grad = None
                 p.grad = None
         losses.append(float(loss.detach()))
     return {"losses": losses, "initial": initial,
             "weights": {k: p.detach().double().clone() for k, p in trainable(module).items()}}
 
 
-def lm_one_device(dtype: torch.dtype) -> dict:
+def lm_one_device(dtype: torch.dtype, optimizer: str = "sgd", lr: float = LR) -> dict:
     model = build_llama(tiny_llama_config(num_kv_heads=2))
     dataset = TokenDataset(STEPS, SEQ_LEN)
     order = lightning_order(len(dataset))
@@ -87,7 +100,7 @@ def lm_one_device(dtype: torch.dtype) -> dict:
         row = dataset[order[step]]
         return model(**{k: v[None] for k, v in row.items()}).loss
 
-    return _sgd(model, lambda m: dict(m.named_parameters()), loss_of_step, LR, dtype)
+    return _sgd(model, lambda m: dict(m.named_parameters()), loss_of_step, lr, dtype, optimizer)
 
 
 def objective_one_device(objective: str, dtype: torch.dtype) -> dict:
@@ -130,7 +143,8 @@ CASES = [(name, "lm") for name in LM_RUNS] + [(case["name"], case["objective"]) 
 
 @pytest.mark.parametrize("name,kind", CASES)
 def test_bf16_under_sp_adds_no_error_beyond_bf16s_own(runs, name, kind, record_property):
-    reference = (lambda dtype: lm_one_device(dtype)) if kind == "lm" else (
+    run = LM_RUNS.get(name)
+    reference = (lambda dtype: lm_one_device(dtype, run.optimizer, run.lr)) if kind == "lm" else (
         lambda dtype: objective_one_device(kind, dtype))
     exact, one = reference(torch.float64), reference(torch.bfloat16)
     results = [r[name] for r in runs]

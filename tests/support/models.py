@@ -78,7 +78,11 @@ class CausalLM(LightningModule):
         self.log("test_loss", loss, sync_dist=True)
         return loss
 
+    optimizer_name = "sgd"  # "adam": torch.optim.Adam (tests/test_bf16.py)
+
     def configure_optimizers(self):
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     def train_dataloader(self) -> DataLoader:

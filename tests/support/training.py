@@ -116,6 +116,7 @@ class FitSpec:
         lr: SGD learning rate. attn: attention implementation. ignore_after: positions past it carry no target.
         own_loss: the training step computes its loss with ``strategy.cross_entropy`` from logits.
         strategy / trainer: further keyword arguments of the strategy and the Trainer.
+        optimizer: ``"sgd"`` (the parity default: Adam would hide a wrong gradient scale) or ``"adam"``.
     """
 
     stage: int
@@ -132,6 +133,7 @@ class FitSpec:
     own_loss: bool = False
     strategy: dict = field(default_factory=dict)
     trainer: dict = field(default_factory=dict)
+    optimizer: str = "sgd"  # or "adam" (torch.optim.Adam, default betas and eps)
 
 
 def fit_one(run: FitSpec) -> tuple[dict, Trainer]:
@@ -141,6 +143,7 @@ def fit_one(run: FitSpec) -> tuple[dict, Trainer]:
     dataset = TokenDataset(run.num_rows, run.seq_len, ignore_after=run.ignore_after)
     module_class = OwnLossCausalLM if run.own_loss else CausalLM
     module = module_class(config, lr=run.lr, dataset=dataset, batch_size=run.batch_size)
+    module.optimizer_name = run.optimizer
     recorder = Recorder()
     strategy = UlyssesDeepSpeedStrategy(sp_size=run.sp_size, stage=run.stage, **run.strategy)
     trainer = make_trainer(strategy, run.steps, callbacks=[recorder], **run.trainer)
