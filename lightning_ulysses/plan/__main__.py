@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_ulysses.plan.cost import recommend, step_cost
 from lightning_ulysses.plan.planner import DEVICES, GIB, longest_sequence, plan_memory
 
 
@@ -66,7 +68,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the model's gradient_checkpointing_enable()")
     parser.add_argument("--longest", action="store_true", help="also find the longest sequence that fits")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of tables")
+    parser.add_argument("--recommend", action="store_true",
+                        help="rank every setting that fits --device (sp, ZeRO 2/3, memory switches, optimizer offload)"
+                             " by estimated throughput, on --gpus-per-node x --nodes devices")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--nodes", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.recommend:
+        return _recommend(args)
     config = _config(args)
     budget = (int(args.memory_gib * GIB) if args.memory_gib else
               DEVICES[args.device].memory_bytes if args.device else None)
@@ -84,6 +93,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             found.append({"sp_size": sp, "error": str(err)})
             continue
         entry = plan.to_dict()
+        try:  # the step's FLOPs and bytes sent per rank (dense decoders)
+            entry["step_cost"] = asdict(step_cost(config, args.seq_len, sp_size=sp, world_size=args.gpus or sp,
+                                                  stage=args.stage, precision=args.precision,
+                                                  micro_batch=args.micro_batch, parameters=plan.parameters,
+                                                  recompute=args.offload_checkpoints or args.gradient_checkpointing))
+        except ValueError as err:
+            entry["step_cost"] = str(err)
         if budget is not None:
             entry["budget"], entry["fits"] = budget, plan.peak <= budget
             if args.longest:
@@ -91,6 +107,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         found.append(entry)
         if not args.json:
             print(plan.table())
+            if isinstance(entry["step_cost"], dict):
+                cost = entry["step_cost"]
+                print(f"step per rank: {cost['flops'] / 1e12:.1f} TFLOPs, sends {cost['all_to_all_bytes'] / GIB:.2f}"
+                      f" GiB in the all-to-alls and {cost['zero_bytes'] / GIB:.2f} GiB in ZeRO's collectives")
             if budget is not None:
                 verdict = "fits" if plan.peak <= budget else "does NOT fit"
                 print(f"{verdict} in {budget / GIB:.1f} GiB per rank"
@@ -103,6 +123,33 @@ def main(argv: Optional[list[str]] = None) -> int:
         for entry in found:
             if "error" in entry:
                 print(f"sp={entry['sp_size']}: {entry['error']}")
+    return 0
+
+
+def _recommend(args: argparse.Namespace) -> int:
+    if not args.device:
+        raise SystemExit("--recommend needs --device (its memory is the budget unless --memory-gib is given)")
+    config = _config(args)
+    budget = int(args.memory_gib * GIB) if args.memory_gib else None
+    ranked = recommend(config, args.seq_len, devices_per_node=args.gpus_per_node, nodes=args.nodes,
+                       device=args.device, budget_bytes=budget, precision=args.precision,
+                       micro_batch=args.micro_batch, optimizer=args.optimizer)
+    if args.json:
+        json.dump([{"strategy": r.strategy_arguments(), "peak": r.plan.peak, "step_seconds": r.seconds,
+                    "tokens_per_second": r.tokens_per_second} for r in ranked], sys.stdout, indent=1)
+        print()
+        return 0
+    if not ranked:
+        print(f"Nothing fits {args.seq_len} tokens on {args.gpus_per_node} x {args.nodes} {args.device}: try a"
+              " shorter sequence, more devices, or ring attention.")
+        return 0
+    print(f"S={args.seq_len} on {args.gpus_per_node} x {args.nodes} {args.device}, {args.precision}: for each sp and"
+          " ZeRO stage the quickest way to fit, highest estimated throughput first")
+    print("| UlyssesDeepSpeedStrategy(...) | peak GiB per rank | est. step s | est. tokens/s (world) |")
+    print("|---|---|---|---|")
+    for r in ranked[:12]:
+        arguments = ", ".join(f"{k}={v!r}" for k, v in r.strategy_arguments().items())
+        print(f"| {arguments} | {r.plan.peak / GIB:.1f} | {r.seconds:.2f} | {r.tokens_per_second:,.0f} |")
     return 0
 
 
