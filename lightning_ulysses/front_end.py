@@ -138,7 +138,8 @@ class SequenceParallelFrontEnd:
             context = StepContext(sp_group=layout.sp_group, ulysses_group=layout.ulysses_group,
                                   ring_group=layout.ring_group, ring_size=self.ring_size,
                                   sdpa_per_document=self.sdpa_per_document, incoming_gradients=[],
-                                  gradients=GradientFactors(layout.dp_size, layout.sp_size))
+                                  gradients=GradientFactors(layout.dp_size, layout.sp_size),
+                                  geometry=layout.geometry)
             agreement = (SPAgreement(layout.sp_group, layout.sp_group_ranks(), self.root_device)
                          if self.check_sp_agreement and layout.sp_size > 1 else None)
             self._runner = StepRunner(layout, context, self._models, agreement, self.root_device,

@@ -49,7 +49,6 @@ from lightning_ulysses.families import vision as vision_families
 from lightning_ulysses.families.multimodal_positions import multimodal_call_positions
 from lightning_ulysses.families.vision import Modality, VisionFamily
 from lightning_ulysses.parallel.exchange import all_to_all
-from lightning_ulysses.parallel.geometry import SequenceGeometry
 from lightning_ulysses.parallel.layout import group_rank, group_size
 from lightning_ulysses.training.step_context import StepContext
 
@@ -227,7 +226,7 @@ def _exchanged_features(inner: nn.Module, family: VisionFamily, modality: Modali
         return list(local_rows[needed].split(widths, dim=-1))
     owner_of_row = torch.tensor([owner for owner, count in zip(owners, tokens) for _ in range(count)],
                                 dtype=torch.long)  # [N] the rank that encodes each feature row
-    geometry = SequenceGeometry(sp, context.ring_size)
+    geometry = context.geometry
     needed = [_needed_rows(shard, token_id, rows, geometry.shard_index(shard.padded_len, rank)) for rank in range(sp)]
     send = [rows_of[owner_of_row[rows_of] == me] for rows_of in needed]  # per destination, in its token order
     sources = owner_of_row[needed[me]]  # [n] who sends each of my rows

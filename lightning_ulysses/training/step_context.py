@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.context import ShardInfo
+from lightning_ulysses.parallel.geometry import SequenceGeometry
+from lightning_ulysses.parallel.layout import group_size
 from lightning_ulysses.training.gradient_factor import GradientFactors
 
 _NO_TENSORS: Mapping[str, Any] = MappingProxyType({})
@@ -44,6 +46,8 @@ class RunFacts:
         sdpa_per_document: with ``sdpa``, attend within each packed document by one SDPA call per document.
         zero_stage_3: ZeRO-3 partitions the parameters: sequence mixers register their submodules' weights as
             external parameters (:mod:`lightning_ulysses.models.mixers`).
+        geometry: the layout's token placement over the SP group (``None``: derived from the SP group's size and
+            ``ring_size``, for contexts made without a layout).
     """
 
     sp_group: Optional[dist.ProcessGroup]
@@ -53,6 +57,7 @@ class RunFacts:
     gradients: GradientFactors = field(default_factory=GradientFactors)
     sdpa_per_document: bool = False
     zero_stage_3: bool = False
+    geometry: Optional[SequenceGeometry] = None
 
 
 @dataclass(frozen=True)
@@ -147,9 +152,10 @@ class StepContext:
     def __init__(self, sp_group: Optional[dist.ProcessGroup], ulysses_group: Optional[dist.ProcessGroup],
                  ring_group: Optional[dist.ProcessGroup], ring_size: int = 1,
                  gradients: Optional[GradientFactors] = None, sdpa_per_document: bool = False,
-                 zero_stage_3: bool = False, incoming_gradients: Optional[list] = None, **step_facts: Any) -> None:
+                 zero_stage_3: bool = False, incoming_gradients: Optional[list] = None,
+                 geometry: Optional[SequenceGeometry] = None, **step_facts: Any) -> None:
         self._run = RunFacts(sp_group, ulysses_group, ring_group, ring_size, gradients or GradientFactors(),
-                             sdpa_per_document, zero_stage_3)
+                             sdpa_per_document, zero_stage_3, geometry)
         if "step_batch_tensors" in step_facts:
             step_facts["step_batch_tensors"] = MappingProxyType(dict(step_facts["step_batch_tensors"]))
         self._facts = StepFacts(**step_facts)
@@ -195,6 +201,13 @@ class StepContext:
     gradients = property(lambda self: self._run.gradients)
     sdpa_per_document = property(lambda self: self._run.sdpa_per_document)
     zero_stage_3 = property(lambda self: self._run.zero_stage_3)
+
+    @property
+    def geometry(self) -> SequenceGeometry:
+        """Where the SP group's ranks hold the tokens (the layout's own object when the strategy made the context)."""
+        if self._run.geometry is not None:
+            return self._run.geometry
+        return SequenceGeometry(group_size(self._run.sp_group), self._run.ring_size)
     shard_info = property(lambda self: self._facts.shard_info)
     tile_shard_len = property(lambda self: self._facts.tile_shard_len)
     in_step = property(lambda self: self._facts.in_step)

@@ -22,7 +22,6 @@ from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.families.vision.base import Encoded, Modality
 from lightning_ulysses.families.vision.llava import LlavaFamily
 from lightning_ulysses.parallel.exchange import all_gather_sequence
-from lightning_ulysses.parallel.geometry import SequenceGeometry
 from lightning_ulysses.parallel.image_blocks import (IMAGE_BLOCKS_KWARG, ImageBlocks,
                                                  refuse_unsupported_image_blocks)
 from lightning_ulysses.parallel.layout import group_size
@@ -66,7 +65,7 @@ def whole_token_types(types: torch.Tensor, shard: ShardInfo, context: StepContex
     if not (group_size(group) > 1):
         return types
     gathered = all_gather_sequence(types, group)  # [rows, S_pad], rank-major
-    geometry = SequenceGeometry(group_size(group), context.ring_size)
+    geometry = context.geometry
     whole = torch.empty_like(gathered)
     whole[:, geometry.full_order(shard.padded_len).to(gathered.device)] = gathered  # sequence order
     return whole
