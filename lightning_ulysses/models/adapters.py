@@ -167,3 +167,4 @@ class PositionTakingRoots(ModelAdapter):
 
 
 ADAPTERS: tuple[ModelAdapter, ...] = (HuggingFaceModels(), LitGPTModels(), AttentionCores(), PositionTakingRoots())
+ADAPTER_OF: dict[str, ModelAdapter] = {adapter.kind: adapter for adapter in ADAPTERS}

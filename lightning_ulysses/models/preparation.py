@@ -18,7 +18,7 @@ from torch.nn import Module
 from lightning_ulysses import _compat
 from lightning_ulysses.models import building, cross_module_reads, form_check, hf, hf_attention, memory, moe
 from lightning_ulysses.models import vision_language
-from lightning_ulysses.models.adapters import ADAPTERS, ModelAdapter, PreparationSettings
+from lightning_ulysses.models.adapters import ADAPTER_OF, ADAPTERS, ModelAdapter, PreparationSettings
 from lightning_ulysses.parallel.attention import ModuleSelector
 from lightning_ulysses.parallel.layout import SequenceParallelLayout
 from lightning_ulysses.patches import PatchStack
@@ -61,9 +61,8 @@ class PreparedModels:
         for adapter in ADAPTERS:
             adapter.validate(found[adapter.kind], settings)
         hf_attention.register_attention_functions()
-        hugging_face = ADAPTERS[0]
         for model in models:
-            hugging_face.prepare(model, context, patches, settings)
+            ADAPTER_OF["hf"].prepare(model, context, patches, settings)
         # what spans the stage's Hugging Face models: the MoE loss of the global batch, ZeRO-3 leaves, train mode
         patches.enter("transformers: MoE load-balancing loss", moe.exact_load_balancing_loss(models, context))
         if context.zero_stage_3:  # modules calling a submodule per data-dependent loop step: ZeRO-3 leaves
@@ -74,7 +73,7 @@ class PreparedModels:
         if fitting:
             modes = building.train_mode_for_fit(models)
             patches.apply("train mode for fit", lambda: None, lambda: building.restore_modes(modes))
-        for adapter in ADAPTERS[1:]:
+        for adapter in (a for a in ADAPTERS if a.kind != "hf"):
             for model in found[adapter.kind]:
                 adapter.prepare(model, context, patches, settings)
         self._found = found
@@ -141,7 +140,7 @@ class PreparedModels:
                            f" shorter than the length thresholds {unchecked} of the model's config, which the"
                            " strategy does not know: what the model does past them is not checked. If the model"
                            " computes them from positions, train a short run against one device at that length.")
-        hugging_face, litgpt_models = ADAPTERS[0], ADAPTERS[1]
+        hugging_face, litgpt_models = ADAPTER_OF["hf"], ADAPTER_OF["litgpt"]
         targets = [target for m in self.hf_models for target in hugging_face.probe_targets(m)]
         targets += [(root, form_check.whole_own_call, form_check.sharded_own_call) for root in self.form_check_roots]
         targets += [target for m in self.litgpt for target in litgpt_models.probe_targets(m)]

@@ -62,7 +62,7 @@ def whole_token_types(types: torch.Tensor, shard: ShardInfo, context: StepContex
     """``[rows, S_pad]``: the call's ``token_type_ids`` shards ``[rows, s]`` of every rank of the SP group, each at
     its global positions (one all-gather; the shard itself without a process group)."""
     group = context.sp_group
-    if not (group_size(group) > 1):
+    if group_size(group) == 1:
         return types
     gathered = all_gather_sequence(types, group)  # [rows, S_pad], rank-major
     geometry = context.geometry
