@@ -17,6 +17,7 @@ import torch
 
 from tests.support.launcher import launch
 from tests.support.models import TokenDataset, build_llama, lightning_order, tiny_llama_config
+from tests.support.precision import loss_error, sgd_in_dtype, update_error
 from tests.test_parity import LR, SEQ_LEN, STEPS, _run
 
 pytestmark = pytest.mark.multiprocess
@@ -60,38 +61,7 @@ def runs():
     return launch(2, "bf16:run", payload, timeout=900)
 
 
-def _sgd(module, trainable, loss_of_step, lr: float, dtype: torch.dtype, optimizer: str = "sgd") -> dict:
-    """Plain SGD (or Adam) on one device with ``module`` in ``dtype``; bf16 keeps float32 master weights, and Adam
-    float32 moments, as DeepSpeed does."""
-    module.to(dtype)
-    initial = {k: p.detach().double().clone() for k, p in trainable(module).items()}
-    master = {k: p.detach().float().clone() if dtype == torch.bfloat16 else p for k, p in trainable(module).items()}
-    adam = torch.optim.Adam(list(master.values()), lr=lr) if optimizer == "adam" else None
-    losses = []
-    for step in range(STEPS):
-        loss = loss_of_step(module, step)
-        loss.backward()
-        with torch.no_grad():
-            for name, p in trainable(module).items():
-                if p.grad is not None and master[name] is not p:
-                    master[name].grad = p.grad.float()
-            if adam is not None:
-                adam.step()
-            else:
-                for weights in master.values():
-                    if weights.grad is not None:
-                        weights -= lr * weights.grad
-            for name, p in trainable(module).items():
-                if master[name] is not p:
-                    p.copy_(master[name])
-                    master[name].grad = None
-                p.grad = None
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "initial": initial,
-            "weights": {k: p.detach().double().clone() for k, p in trainable(module).items()}}
-
-
-def lm_one_device(dtype: torch.dtype, optimizer: str = "sgd", lr: float = LR) -> dict:
+def lm_one_device(dtype: torch.dtype, optimizer: str = "sgd", lr: float = LR, buffers_too: bool = True) -> dict:
     model = build_llama(tiny_llama_config(num_kv_heads=2))
     dataset = TokenDataset(STEPS, SEQ_LEN)
     order = lightning_order(len(dataset))
@@ -100,10 +70,11 @@ def lm_one_device(dtype: torch.dtype, optimizer: str = "sgd", lr: float = LR) ->
         row = dataset[order[step]]
         return model(**{k: v[None] for k, v in row.items()}).loss
 
-    return _sgd(model, lambda m: dict(m.named_parameters()), loss_of_step, lr, dtype, optimizer)
+    return sgd_in_dtype(model, lambda m: dict(m.named_parameters()), loss_of_step, lr, dtype, optimizer, STEPS,
+                        buffers_too)
 
 
-def objective_one_device(objective: str, dtype: torch.dtype) -> dict:
+def objective_one_device(objective: str, dtype: torch.dtype, buffers_too: bool = True) -> dict:
     from tests.support.objectives import (LEARNING_RATES, OBJECTIVES, PRECISION_OBJECTIVES, OneDevice, collate_pairs,
                                           preference_rows)
     from tests.test_post_training import LR as OBJECTIVE_LR
@@ -120,22 +91,8 @@ def objective_one_device(objective: str, dtype: torch.dtype) -> dict:
     def trainable(module):
         return {k: p for k, p in module.named_parameters() if k.startswith(("policy.", "value_head."))}
 
-    return _sgd(module, trainable, loss_of_step, LEARNING_RATES.get(objective, OBJECTIVE_LR), dtype)
-
-
-def loss_error(losses: list[float], exact: list[float]) -> float:
-    return max(abs(a - b) / max(abs(b), 1e-3) for a, b in zip(losses, exact))
-
-
-def update_error(weights: dict, initial: dict, exact: dict) -> float:
-    """|Δw - Δw_exact| / |Δw_exact| over every trained parameter (Δ from each run's own initial weights)."""
-    num = den = 0.0
-    for name, final in exact["weights"].items():
-        want = final - exact["initial"][name]
-        got = weights[name].double() - initial[name]
-        num += float(((got - want) ** 2).sum())
-        den += float((want ** 2).sum())
-    return (num / den) ** 0.5
+    return sgd_in_dtype(module, trainable, loss_of_step, LEARNING_RATES.get(objective, OBJECTIVE_LR), dtype,
+                        steps=STEPS, buffers_too=buffers_too)
 
 
 CASES = [(name, "lm") for name in LM_RUNS] + [(case["name"], case["objective"]) for case in OBJECTIVE_RUNS]
@@ -144,8 +101,12 @@ CASES = [(name, "lm") for name in LM_RUNS] + [(case["name"], case["objective"]) 
 @pytest.mark.parametrize("name,kind", CASES)
 def test_bf16_under_sp_adds_no_error_beyond_bf16s_own(runs, name, kind, record_property):
     run = LM_RUNS.get(name)
-    reference = (lambda dtype: lm_one_device(dtype, run.optimizer, run.lr)) if kind == "lm" else (
-        lambda dtype: objective_one_device(kind, dtype))
+    # DeepSpeed's bf16 mode (bf16-mixed, bf16 in its config) casts the parameters and keeps float32 buffers (rotary
+    # inv_freq); Lightning's bf16-true casts the whole module: the one-device reference casts as the run does
+    trainer = run.trainer if run is not None else next(c["trainer"] for c in OBJECTIVE_RUNS if c["name"] == name)
+    buffers_too = trainer.get("precision") == "bf16-true"
+    reference = (lambda dtype: lm_one_device(dtype, run.optimizer, run.lr, buffers_too)) if kind == "lm" else (
+        lambda dtype: objective_one_device(kind, dtype, buffers_too))
     exact, one = reference(torch.float64), reference(torch.bfloat16)
     results = [r[name] for r in runs]
     for result in results:

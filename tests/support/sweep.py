@@ -35,6 +35,17 @@ MAX_PARAMS = 20_000_000  # a model still bigger than this after shrinking: the s
 
 # outcomes
 EXACT, REFUSED, WRONG, CRASHED, NOT_BUILDING = "exact", "refused", "WRONG", "crashed", "does not build on CPU"
+NOT_APPLICABLE, NOT_RUN = "n/a", "-"
+
+# settings (the table's columns): ZeRO 2 fp32 (the base row), ZeRO 3 with every parameter partitioned
+# (stage3_param_persistence_threshold=0), bf16 (Lightning's bf16-mixed at ZeRO 2: bf16 weights, float32 master
+# weights; criterion against float64: at most BF16_RATIO times one device's bf16 error), packed rows (several
+# documents per row, sdpa_per_document=True, where transformers' own forward keeps them apart), and bf16 with packed
+# rows
+ZERO2, ZERO3, BF16, PACKED, BF16_PACKED = "zero2", "zero3", "bf16", "packed", "bf16_packed"
+SETTINGS = (ZERO2, ZERO3, BF16, PACKED, BF16_PACKED)  # BF16_PACKED: both at once
+BF16_RATIO = 2.0
+PACKED_DOCUMENTS = [[10, 22], [20, 12], [6, 17, 9]]  # document lengths of each step's 32-token row
 
 # attribute -> value, set wherever the config (or a nested config) has the attribute with a value of that kind
 _HIDDEN = ["hidden_size", "d_model", "n_embd", "embed_dim", "emb_dim", "attention_hidden_size", "lru_width",
@@ -74,6 +85,9 @@ SIZES: dict[str, int] = {
     "num_codebooks": 1, "hidden_size_global": 64, "encoder_hash_byte_group_vocab": 128, "attention_head_size": 16,
     "adapter_in_dim": 64, "adapter_out_dim": 64, "adapter_input_size": 64,
 }
+# head sizes kept in the family's ratios (family_head_sizes): the largest of them
+_HEAD_SIZES = [*_HEAD_DIM, "qk_rope_head_dim", "qk_nope_head_dim"]
+LARGEST_HEAD = 32
 # set even where the default is None (None there means "off" or "derive it", and an MoE of 4 experts / a head_dim
 # of hidden / heads is what the shrunk model has anyway)
 SET_IF_NONE = {"head_dim", *_EXPERTS, *_PER_TOKEN, *_MOE_FFN}
@@ -152,18 +166,40 @@ def _small(key: str, value: Any) -> Any:
     return value
 
 
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def family_head_sizes(defaults: dict[str, Any]) -> dict[str, int]:
+    """The family's head sizes shrunk together, keeping their ratios: where the full config has head sizes of more
+    than one value (query/key heads against value heads, a linear-attention or Mamba head against an attention head,
+    the rotary and the position-free parts of a latent-attention key), the largest becomes ``LARGEST_HEAD`` and the
+    others keep their ratio to it (multiples of 4); ``qk_head_dim`` stays the sum of its two parts. Empty where the
+    family has one head size (then every head size is ``SIZES["head_dim"]``)."""
+    sizes = {k: v for k in _HEAD_SIZES if _is_size(v := defaults.get(k))}
+    if len(set(sizes.values())) < 2:
+        return {}
+    largest = max(sizes.values())
+    out = {k: max(4, 4 * round(v * LARGEST_HEAD / largest / 4)) for k, v in sizes.items()}
+    if "qk_head_dim" in out and "qk_rope_head_dim" in out and "qk_nope_head_dim" in out:
+        out["qk_head_dim"] = out["qk_rope_head_dim"] + out["qk_nope_head_dim"]
+    return out
+
+
 def _small_values(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """Every size of ``values`` shrunk; ``defaults``: the full config's values (for the ratios kept)."""
     out = {k: small for k, v in values.items() if (small := _small(k, v)) != v or k in SIZES}
+    heads_kept = family_head_sizes(defaults)
+    out.update({k: v for k, v in heads_kept.items() if k in values})
     if "kv_lora_rank" in defaults:  # multi-head latent attention: one key per head; rope on qk_rope_head_dim
         heads = out.get("num_attention_heads", SIZES["num_attention_heads"])
         for key in _KV_HEADS:
             if key in out:
                 out[key] = heads
         rope, head_dim = defaults.get("qk_rope_head_dim"), defaults.get("head_dim")
-        if "head_dim" in out and isinstance(rope, int) and isinstance(head_dim, int) and rope:
+        if "head_dim" in out and "head_dim" not in heads_kept and _is_size(rope) and _is_size(head_dim):
             # the rotary part of head_dim (partial_rotary_factor) stays the qk_rope_head_dim
-            out["head_dim"] = SIZES["qk_rope_head_dim"] * max(1, head_dim // rope)
+            out["head_dim"] = out.get("qk_rope_head_dim", SIZES["qk_rope_head_dim"]) * max(1, head_dim // rope)
     return out
 
 
@@ -311,15 +347,70 @@ def first_line(err: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def train_reference(model_type: str, class_name: Optional[str] = None, steps: int = STEPS) -> dict[str, Any]:
-    """One process, plain transformers, SGD on the sweep's batches; raises if the model does not build or its
-    plain forward / backward fails or gives a non-finite loss."""
+def packed_batches(steps: int) -> list[dict[str, torch.Tensor]]:
+    """The sweep's rows with several documents each (``PACKED_DOCUMENTS``: one boundary inside a shard, one document
+    across the shard boundary), as a packing collator gives them: ``position_ids`` restarting at each document,
+    ``labels`` -100 at each document's first token (no prediction across a boundary)."""
+    out = []
+    for step, batch in enumerate(batches(steps)):
+        lengths = PACKED_DOCUMENTS[step % len(PACKED_DOCUMENTS)]
+        assert sum(lengths) == batch["input_ids"].shape[1], lengths
+        starts = torch.tensor(lengths).cumsum(0)[:-1]
+        labels = batch["labels"].clone()
+        labels[0, starts] = -100
+        out.append({"input_ids": batch["input_ids"], "labels": labels,
+                    "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]})
+    return out
+
+
+def rows_of(setting: str, steps: int) -> list[dict[str, torch.Tensor]]:
+    return packed_batches(steps) if setting in (PACKED, BF16_PACKED) else batches(steps)
+
+
+def packing_support(model: torch.nn.Module, model_type: str) -> Optional[str]:
+    """Why transformers' own forward of ``model`` does not train packed rows (``None``: it does): it must take
+    ``position_ids`` and give each document of a packed row the logits of that document alone."""
+    import inspect
+
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return "its forward takes no position_ids"
+    batch = packed_batches(1)[0]
+    lengths = PACKED_DOCUMENTS[0]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                           **forward_kwargs(model_type)).logits[0]
+            alone = torch.cat([model(input_ids=document, position_ids=torch.arange(document.shape[1])[None],
+                                     **forward_kwargs(model_type)).logits[0]
+                               for document in batch["input_ids"].split(lengths, dim=1)])
+    finally:
+        model.train(was_training)
+    difference = ((packed - alone).abs().max() / alone.abs().max()).item()
+    if not difference <= 1e-4:
+        return (f"transformers' own forward lets packed documents see each other (a packed row's logits differ from "
+                f"its documents' alone by {difference:.1e})")
+    return None
+
+
+def train_reference(model_type: str, class_name: Optional[str] = None, steps: int = STEPS,
+                    setting: str = ZERO2) -> dict[str, Any]:
+    """One process, plain transformers, SGD on the sweep's batches (packed ones for ``PACKED``); raises if the model
+    does not build or its plain forward / backward fails or gives a non-finite loss. ``BF16``: the float64 run and
+    the bf16 one on one device (``{"exact": ..., "one": ...}``, see :func:`train_in_dtypes`)."""
+    if setting in (BF16, BF16_PACKED):
+        return train_in_dtypes(model_type, class_name, steps, setting)
     model = build(model_type, class_name)
+    if setting == PACKED:
+        unsupported = packing_support(model, model_type)
+        if unsupported:
+            raise NotApplicable(unsupported)
     model.train()
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=lr_for(model_type))
     losses = []
-    for batch in batches(steps):
+    for batch in rows_of(setting, steps):
         loss = model(**batch, **forward_kwargs(model_type)).loss
         if loss is None or not torch.isfinite(loss):
             raise ValueError(f"plain forward gave loss {loss}")
@@ -332,10 +423,77 @@ def train_reference(model_type: str, class_name: Optional[str] = None, steps: in
             "parameters": sum(v.numel() for v in initial.values())}
 
 
+# The one-device bf16 runs whose largest error is bf16's own (:func:`train_in_dtypes`): the same training computed
+# by the attention kernels one device may run, and with its row repeated 3 times in the batch (the same mean loss and
+# gradient, other matmul shapes). A single run's loss error is one sample of bf16's rounding noise, and equally valid
+# computations differ by several times at the 1e-5 level (measured: granite_swa's first loss 6.9e-6 off float64 with
+# gradients on, 4.0e-5 without: SDPA picks another CPU kernel; gpt_oss's third loss 2.4e-5 off, 9.6e-5 with the row
+# repeated 3 times).
+BF16_VARIANTS = ("sdpa default kernel", "sdpa math kernel", "eager attention", "row repeated 3 times")
+
+
+def _variant(name: str, model: torch.nn.Module):
+    """A context in which ``model`` computes as the one-device variant ``name``."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "sdpa math kernel":
+        return sdpa_kernel(SDPBackend.MATH)
+    if name == "eager attention":
+        model.set_attn_implementation("eager")
+    return contextlib.nullcontext()
+
+
+def train_in_dtypes(model_type: str, class_name: Optional[str] = None, steps: int = STEPS,
+                    setting: str = BF16) -> dict[str, Any]:
+    """The bf16 columns' references, one device each: the training in float64 (``exact``) and in bf16 with float32
+    master weights (``one``, as DeepSpeed's bf16 mode keeps them), the latter once per :data:`BF16_VARIANTS`
+    (``variants``: name -> run; a variant the model cannot run is left out). Raises :class:`NotApplicable` where the
+    model does not run in float64 or in bf16 on CPU."""
+    from tests.support.precision import sgd_in_dtype
+
+    rows = rows_of(setting, steps)
+
+    def loss_of_step(model, step, repeats=1):
+        loss = model(**{k: v.repeat(repeats, 1) for k, v in rows[step].items()}, **forward_kwargs(model_type)).loss
+        if loss is None or not torch.isfinite(loss):
+            raise ValueError(f"plain forward gave loss {loss}")
+        return loss
+
+    out: dict[str, Any] = {"variants": {}}
+    for key, dtype in [("exact", torch.float64)] + [(name, torch.bfloat16) for name in BF16_VARIANTS]:
+        model = build(model_type, class_name)
+        if setting == BF16_PACKED and key == "exact":
+            unsupported = packing_support(model, model_type)
+            if unsupported:
+                raise NotApplicable(unsupported)
+        model.train()
+        if dtype == torch.float64 and getattr(model, "_can_set_experts_implementation", lambda: False)():
+            model.set_experts_implementation("eager")  # torch's grouped matmul has no float64 kernel on CPU
+        try:
+            repeats = 3 if key == "row repeated 3 times" else 1
+            with _variant(key, model):
+                run = sgd_in_dtype(model, lambda m: dict(m.named_parameters()),
+                                   functools.partial(loss_of_step, repeats=repeats), lr_for(model_type), dtype,
+                                   steps=steps, buffers_too=False)  # as DeepSpeed casts it (bf16-mixed)
+        except Exception as err:  # noqa: BLE001 - the column says why (or the variant is left out)
+            if key in ("exact", BF16_VARIANTS[0]):
+                what = "float64" if key == "exact" else "bf16 parameters (float32 buffers, as DeepSpeed casts it)"
+                raise NotApplicable(f"does not train in {what} on one device: {first_line(err, 150)}")
+            continue
+        if key == "exact":
+            out["exact"] = run
+        else:
+            out["variants"][key] = run
+    out["one"] = out["variants"][BF16_VARIANTS[0]]
+    return out
+
+
 def compare(reference: dict, losses: list[float], final: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Max relative per-step loss difference, and the worst parameter's relative update difference (as
     ``tests/test_architectures.py``: one ulp of the final weight counts as none, a zero update compares
-    absolutely)."""
+    absolutely; a difference within one float rounding of the whole weight tensor counts as none)."""
     got, want = torch.tensor(losses, dtype=torch.float64), torch.tensor(reference["losses"], dtype=torch.float64)
     if got.shape != want.shape:
         return {"loss_diff": float("inf"), "update_diff": float("inf"), "worst_param": "steps differ"}
@@ -350,6 +508,10 @@ def compare(reference: dict, losses: list[float], final: dict[str, torch.Tensor]
         ref_final = reference["final"][param]
         ulp = (torch.nextafter(ref_final, torch.full_like(ref_final, float("inf"))) - ref_final).abs()
         diff = ((actual - expected).abs() - ulp).clamp_min(0).norm().item()
+        if diff <= torch.finfo(ref_final.dtype).eps * ref_final.norm().item():
+            # within one rounding of the weight tensor: no difference (an update that is zero in exact arithmetic,
+            # an MoE router's at top-1, is fp32 noise of 1e-10 that an absolute scale of 1e-6 counted as 1e-4)
+            diff = 0.0
         rel = diff / scale if scale > 1e-6 else diff / 1e-6
         if not rel <= worst:  # NaN counts as worst
             worst, worst_name = rel, param
@@ -358,7 +520,7 @@ def compare(reference: dict, losses: list[float], final: dict[str, torch.Tensor]
     return {"loss_diff": loss_diff, "update_diff": worst, "worst_param": worst_name}
 
 
-def classify(model_type: str, reference: dict, ranks: list[dict]) -> dict[str, Any]:
+def classify(model_type: str, reference: dict, ranks: list[dict], setting: str = ZERO2) -> dict[str, Any]:
     """The outcome of one SP fit (``ranks``: what each rank of ``tests/scenarios/causal_lm_sweep.py`` returned)."""
     errors = [r.get("error") for r in ranks if r.get("error")]
     if errors:
@@ -367,6 +529,8 @@ def classify(model_type: str, reference: dict, ranks: list[dict]) -> dict[str, A
         where = next((r.get("raised_in") for r in ranks if r.get("error")), None)
         trace = next((r.get("trace") for r in ranks if r.get("error")), None)
         return {"outcome": REFUSED if refused else CRASHED, "reason": error, "raised_in": where, "trace": trace}
+    if setting in (BF16, BF16_PACKED):
+        return _classify_bf16(reference, ranks)
     row: dict[str, Any] = compare(reference, ranks[0]["losses"], ranks[0]["final"])
     row["losses"], row["plain_losses"] = ranks[0]["losses"], reference["losses"]
     row["ranks_agree"] = all(r["losses"] == ranks[0]["losses"] for r in ranks)
@@ -374,6 +538,39 @@ def classify(model_type: str, reference: dict, ranks: list[dict]) -> dict[str, A
     ok = row["loss_diff"] <= LOSS_TOL and row["update_diff"] <= row["update_tol"] and row["ranks_agree"]
     row["outcome"] = EXACT if ok else WRONG
     return row
+
+
+def _classify_bf16(reference: dict, ranks: list[dict]) -> dict[str, Any]:
+    """bf16's criterion: against the float64 run, SP's per-step loss error and its update error at most
+    ``BF16_RATIO`` times bf16's own (the largest of the one-device bf16 runs, :data:`BF16_VARIANTS`), and the SP
+    run's weights really bf16."""
+    from tests.support.precision import loss_error, update_error
+
+    exact, variants = reference["exact"], reference["variants"]
+    initial = reference["one"]["initial"]
+    sp = ranks[0]
+    row: dict[str, Any] = {
+        "loss_error": loss_error(sp["losses"], exact["losses"]),
+        "one_loss_error": max(loss_error(v["losses"], exact["losses"]) for v in variants.values()),
+        "update_error": update_error(sp["final"], initial, exact),
+        "one_update_error": max(update_error(v["weights"], initial, exact) for v in variants.values()),
+        "one_device_variants": {name: {"loss_error": loss_error(v["losses"], exact["losses"]),
+                                       "update_error": update_error(v["weights"], initial, exact)}
+                                for name, v in variants.items()},
+        "parameter_dtypes": sp.get("parameter_dtypes"), "losses": sp["losses"], "plain_losses": exact["losses"],
+        "ranks_agree": all(r["losses"] == sp["losses"] for r in ranks)}
+    row["loss_ratio"] = row["loss_error"] / max(row["one_loss_error"], 1e-12)
+    row["update_ratio"] = row["update_error"] / max(row["one_update_error"], 1e-12)
+    ok = (row["loss_error"] <= BF16_RATIO * row["one_loss_error"] + 1e-6
+          and row["update_error"] <= BF16_RATIO * row["one_update_error"] and row["ranks_agree"]
+          and row["parameter_dtypes"] == ["torch.bfloat16"])
+    row["outcome"] = EXACT if ok else WRONG
+    return row
+
+
+class NotApplicable(Exception):
+    """A setting the model does not have without SP either (packed rows its own forward mixes, a dtype it does not
+    run in on CPU): the column says why, nothing is compared."""
 
 
 def recorded() -> dict[str, dict]:
@@ -389,9 +586,11 @@ def format_exception(err: BaseException) -> dict[str, Any]:
     # a RuntimeError of a reshape inside it)
     deliberate = type(err).__module__.startswith("lightning_ulysses") or isinstance(err, (ValueError,
                                                                                          NotImplementedError))
-    return {"error": first_line(err, 300), "raised_by_strategy": "lightning_ulysses" in origin and deliberate,
+    return {"error": first_line(err, 300), "message": str(err)[:3000], "raised_by_strategy": "lightning_ulysses" in origin and deliberate,
             "raised_in": f"{_short(origin)}:{frames[-1].lineno}" if frames else "",
-            "trace": [f"{_short(f.filename)}:{f.lineno} {f.name}: {f.line}" for f in frames[-6:]]}
+            "trace": [f"{_short(f.filename)}:{f.lineno} {f.name}: {f.line}" for f in frames[-6:]],
+            "cause_trace": [f"{_short(f.filename)}:{f.lineno} {f.name}: {f.line}"
+                            for f in traceback.extract_tb(err.__cause__.__traceback__)[-8:]] if err.__cause__ else []}
 
 
 def _short(path: str) -> str:
