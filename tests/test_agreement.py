@@ -33,6 +33,11 @@ CASES = [
     {"name": "accumulate2_rebuilt_batch", "trainer": {"accumulate_grad_batches": 2}, "rebuild_batch": True},
     {"name": "accumulate4_zero3", "stage": 3, "max_steps": 2, "trainer": {"accumulate_grad_batches": 4}},
     {"name": "accumulate2_zero3", "stage": 3, "trainer": {"accumulate_grad_batches": 2}},
+    # an MoE whose experts each rank's shard reaches differently: skipping an expert without tokens leaves its weights
+    # out of one rank's graph (refused before backward); running it on an empty slice keeps them in (trains)
+    {"name": "experts_skipped", "module": "experts_by_token", "skip_empty": True},
+    {"name": "experts_skipped_zero3", "module": "experts_by_token", "skip_empty": True, "stage": 3},
+    {"name": "experts_all_run", "module": "experts_by_token", "skip_empty": False},
 ]
 WITHIN_SECONDS = 60  # a hang would last until gloo's 30-minute timeout (the launch itself is capped)
 
@@ -134,3 +139,28 @@ def test_loss_value_is_bitwise_the_same_on_every_rank(results, name, steps):
     _assert_trained(ranks, steps)
     assert len(ranks[0]["loss_bits"]) == steps * (4 if "accumulate4" in name else 2)
     assert ranks[0]["loss_bits"] == ranks[1]["loss_bits"]
+
+
+def test_parameters_some_ranks_do_not_reach_stop_every_rank_before_backward(results):
+    """Expert 1 gets no token of rank 0's shard and expert 0 none of rank 1's: without the check DeepSpeed's gradient
+    buckets would differ between the ranks (summing different parameters' gradients, or aborting)."""
+    name = "experts_skipped"
+    _assert_stopped(results[name], "SPLossMismatchError", "reaches different trainable parameters",
+                    "run every expert", max_steps_run=1)
+    assert all(r["global_step"] == 0 for r in results[name])  # no optimizer step
+    assert "model.layers.0.mlp.experts.1.weight" in results[name][0]["message"]
+    assert "model.layers.0.mlp.experts.0.weight" in results[name][1]["message"]
+
+
+def test_skipped_experts_at_zero3_stop_before_any_weight_changes(results):
+    """At ZeRO 3 the same model is stopped earlier, by the model-form check: its sharded probe (each rank calls one
+    expert) differs from the whole one (both) by 1.0-1.2 at the experts, with ZeRO-3 gathering the parameters of a
+    module call order that changes with the data (running every expert trains: `experts_all_run` at ZeRO 3 by hand).
+    Stopped, not silent; the message's attribution to positions is not the cause (left open)."""
+    for r in results["experts_skipped_zero3"]:
+        assert r["error_type"] in ("SPLossMismatchError", "FormCheckFailed"), (r["error_type"], r["message"])
+        assert r["global_step"] == 0
+
+
+def test_every_expert_run_on_every_rank_trains(results):
+    _assert_trained(results["experts_all_run"])

@@ -143,6 +143,24 @@ def gradient_mismatch_message(ranks: list[int], where: str, low: list[float], hi
     )
 
 
+def parameters_mismatch_message(ranks: list[int], where: str, low: list[int], high: list[int], total: int,
+                                unreached_here: list[str]) -> str:
+    shown = ", ".join(unreached_here[:6]) + (f" and {len(unreached_here) - 6} more" if len(unreached_here) > 6 else "")
+    here = (f"on this rank {len(unreached_here)} of them get no gradient ({shown})" if unreached_here else
+            "on this rank every one of them gets a gradient")
+    return (
+        f"UlyssesDeepSpeedStrategy: the loss of the {where} reaches different trainable parameters on the ranks"
+        f" {ranks} of one sequence-parallel group ({low[0]} to {high[0]} of {total} get a gradient); {here}; no weight"
+        " was changed. A parameter used for some tokens only (an MoE expert that no token of a rank's shard is routed"
+        " to and that the forward then skips, a branch taken for some positions) gets a gradient on the ranks whose"
+        " shard uses it and none on the others. DeepSpeed's ZeRO gradient reduction then fills its buckets"
+        " differently on each rank: it sums slices of different parameters, or aborts where the sizes differ. Make"
+        " every such parameter take part on every rank: run every expert, also on an empty slice of tokens (its"
+        " weights are then in the graph with a zero gradient), or keep the experts in one tensor (transformers'"
+        " fused experts, `gate_up_proj` [E, ...])."
+    )
+
+
 def _show(value: float) -> str:
     return "nan" if value == NAN_SENTINEL else f"{value:.9g}"
 
@@ -198,6 +216,24 @@ class SPAgreement:
             raise SPLossMismatchError(shard_local_message(self.group_ranks, where, shard_local))
         if high[1:4] != low[1:4]:
             raise SPLossMismatchError(gradient_mismatch_message(self.group_ranks, where, low[1:4], high[1:4]))
+
+    def verify_parameters_reached(self, reached: list[bool], names: list[str], where: str) -> None:
+        """Raise on every rank of the group unless the loss about to be back-propagated reaches the same trainable
+        parameters on every rank (``reached[i]``: the ``i``-th trainable parameter, ``names[i]``, is in this rank's
+        graph). Before backward: DeepSpeed's gradient reduction during backward assumes the same parameters get a
+        gradient on every rank. One all-reduce of 4 int64."""
+        count = sum(reached)
+        # a hash of which ones: sum of a multiplicative hash of each reached index (exact in int64)
+        digest = sum(((i + 1) * 2654435761) % (1 << 31) for i, r in enumerate(reached) if r)
+        values = torch.tensor([count, digest], dtype=torch.int64)
+        both = torch.cat([values, -values]).to(self.device)  # [4]: MAX over the group gives max and -min of each
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        read = both.tolist()  # one device read
+        high, low = read[:2], [-v for v in read[2:]]
+        if high != low:
+            unreached = [name for name, r in zip(names, reached) if not r]
+            raise SPLossMismatchError(parameters_mismatch_message(self.group_ranks, where, low, high, len(reached),
+                                                                  unreached))
 
     def verify_end_of_data(self, where: str) -> None:
         """Called when this rank's loader is exhausted; fails if a peer still has a batch."""

@@ -145,3 +145,27 @@ def _reduction_below(reduction: object, sharded: tuple[type, ...], seen: set[int
     return None
 
 
+
+
+def parameters_reached(loss: torch.Tensor, max_nodes: int = 2_000_000) -> set[int]:
+    """The ``id``s of the leaf tensors (the parameters) whose gradient ``loss``'s backward pass will accumulate: every
+    ``AccumulateGrad`` node of its graph (one walk over the whole graph, each node once). Parameters used inside a
+    reentrant checkpointed segment or another custom autograd function whose backward recomputes its forward are not
+    in the graph before backward runs, on any rank."""
+    root = loss.grad_fn
+    if root is None:
+        return set()
+    reached: set[int] = set()
+    seen = {id(root)}
+    stack = [root]
+    while stack and len(seen) <= max_nodes:
+        node = stack.pop()
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+            continue
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return reached

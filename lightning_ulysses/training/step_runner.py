@@ -193,6 +193,8 @@ class StepRunner:
         value = loss.detach()
         shard_local = (loss_graph.shard_local_path(loss, self.agreement.group_ranks) if self.agreement is not None
                        else None)
+        if self.agreement is not None:
+            self._verify_parameters_reached(loss, where)
         try:
             run_backward(scale_gradient(loss, context.gradients.whole_loss))
         except RuntimeError as err:
@@ -204,6 +206,14 @@ class StepRunner:
         if self.agreement is not None:
             self.agreement.verify_loss(value, received, where=where, shard_local=shard_local,
                                        model_form_checked=self.check_model_form)
+
+    def _verify_parameters_reached(self, loss: torch.Tensor, where: str) -> None:
+        """Before backward: the SP peers' losses reach the same trainable parameters (a parameter some ranks' shards
+        do not use, such as an MoE expert their tokens skip, would make DeepSpeed sum different parameters'
+        gradients)."""
+        named = [(name, p) for name, p in self.models.trainable_parameters() if p.requires_grad]
+        reached = loss_graph.parameters_reached(loss)
+        self.agreement.verify_parameters_reached([id(p) in reached for _, p in named], [n for n, _ in named], where)
 
     def before_manual_optimizer_step(self) -> None:
         """Manual optimization: an optimizer step with no backward pass through the strategy since the last one

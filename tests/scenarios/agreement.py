@@ -131,6 +131,61 @@ class NoAttentionLM(Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
 
 
+class HalvesDataset(Dataset):
+    """Rows whose first half holds token ids below VOCAB / 2 and whose second half ids from VOCAB / 2 up: at sp=2
+    rank 0's shard has only the low ids, rank 1's only the high ones."""
+
+    def __init__(self, rows: int = 8, length: int = 16) -> None:
+        g = torch.Generator().manual_seed(11)
+        self.rows = torch.cat([torch.randint(1, VOCAB // 2, (rows, length // 2), generator=g),
+                               torch.randint(VOCAB // 2, VOCAB, (rows, length - length // 2), generator=g)], dim=1)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.rows[i], "labels": self.rows[i].clone()}
+
+
+class TokenRoutedExperts(torch.nn.Module):
+    """An MoE MLP with one module per expert, routing each token by its id (low ids to expert 0, high to 1), as user
+    MoE code often loops: ``skip_empty`` leaves out an expert no token of the call is routed to (its weights are then
+    not in the graph), otherwise every expert runs, on an empty slice where it has no token."""
+
+    def __init__(self, hidden: int, skip_empty: bool) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(2))
+        self.skip_empty = skip_empty
+        self.token_ids: torch.Tensor = torch.zeros(0)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, s, H] -> [B, s, H]
+        route = (self.token_ids >= VOCAB // 2).long().reshape(-1)  # [B*s]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows = torch.nonzero(route == e).squeeze(1)
+            if self.skip_empty and rows.numel() == 0:
+                continue
+            out = out.index_add(0, rows, expert(flat[rows]))
+        return out.view_as(hidden)
+
+
+class ExpertsByTokenLM(Module):
+    """The tiny Llama with layer 0's MLP replaced by :class:`TokenRoutedExperts` (``case["skip_empty"]``), trained
+    on :class:`HalvesDataset`: under SP=2 each rank's shard reaches one expert only."""
+
+    def __init__(self, case: dict) -> None:
+        super().__init__(case)
+        self.dataset = HalvesDataset()
+        experts = TokenRoutedExperts(self.model.config.hidden_size, case.get("skip_empty", False))
+        self.model.model.layers[0].mlp = experts
+
+        def keep_ids(module, args, kwargs):
+            experts.token_ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]
+
+        self.model.model.register_forward_pre_hook(keep_ids, with_kwargs=True)
+
+
 class IteratorStepLM(Module):
     """A training_step that pulls batches itself (Lightning's `dataloader_iter` mode)."""
 
@@ -154,7 +209,8 @@ class FullBatchRecorder(Callback):
 
 def _fit(case: dict) -> dict:
     seed_everything(SEED, workers=case.get("seed_workers", False), verbose=False)
-    module = {"no_attention": NoAttentionLM, "dataloader_iter": IteratorStepLM}.get(case.get("module"), Module)(case)
+    module = {"no_attention": NoAttentionLM, "dataloader_iter": IteratorStepLM,
+              "experts_by_token": ExpertsByTokenLM}.get(case.get("module"), Module)(case)
     recorder = FullBatchRecorder()
     strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=case.get("stage", 2), **case.get("strategy", {}))
     trainer = make_trainer(strategy, case.get("max_steps", 4), callbacks=[recorder], **case.get("trainer", {}))
