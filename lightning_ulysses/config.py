@@ -11,11 +11,12 @@ The front ends keep their keyword arguments (what a user, an IDE and the Lightni
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from lightning_ulysses.models.memory import MemoryFeatures, TileSetting
 from lightning_ulysses.parallel.attention import ModuleSelector
 from lightning_ulysses.parallel.layout import validate_ring_size, validate_sp_size
+from lightning_ulysses.plan.auto import AUTO
 from lightning_ulysses.plan.preflight import MODES as PREFLIGHT_MODES
 
 
@@ -24,7 +25,9 @@ class SequenceParallelConfig:
     """Every sequence-parallel setting of a strategy (see the front ends' docstrings for each argument).
 
     Attributes:
-        sp_size: ranks per SP group as requested; ``None``: every device of a node (resolved by :meth:`sp_size_for`).
+        sp_size: ranks per SP group as requested; ``None``: every device of a node (resolved by :meth:`sp_size_for`);
+            ``"auto"``: chosen from the memory plan once the model is known (:mod:`lightning_ulysses.plan.auto`).
+        sequence_length: the tokens per row the run trains on, for ``sp_size="auto"``.
         ring_size: ring groups per SP group (hybrid Ulysses × ring); 1: Ulysses only.
         sdpa_per_document: with ``sdpa``, attend within each packed document by one call per document.
         attention_modules: attention cores of the user's own model to wrap (selectors).
@@ -36,7 +39,8 @@ class SequenceParallelConfig:
         gather_predictions: per-token ``predict_step`` outputs gathered to whole rows (the Trainer only).
     """
 
-    sp_size: Optional[int] = None
+    sp_size: Optional[Union[int, str]] = None
+    sequence_length: Optional[int] = None
     ring_size: int = 1
     sdpa_per_document: bool = False
     attention_modules: tuple[ModuleSelector, ...] = ()
@@ -52,9 +56,22 @@ class SequenceParallelConfig:
     gather_predictions: bool = True
 
     def __post_init__(self) -> None:
-        if self.sp_size is not None:
+        length = self.sequence_length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+            raise ValueError(f"sequence_length must be a positive number of tokens per row, not {length!r}.")
+        if self.auto:
+            if length is None:
+                raise ValueError("sp_size='auto' chooses the size from the memory plan of a row of the run's length:"
+                                 " pass `sequence_length=<tokens per row>` too.")
+            if self.ring_size != 1:
+                raise ValueError("sp_size='auto' plans Ulysses groups only (the planner does not model ring"
+                                 " attention yet): pass both sizes as numbers, or ring_size=1.")
+        elif isinstance(self.sp_size, str):
+            raise ValueError(f"sp_size must be a positive integer, None or 'auto', not {self.sp_size!r}.")
+        elif self.sp_size is not None:
             validate_sp_size(self.sp_size, self.sp_size)  # type and sign; the world size is checked once known
-        validate_ring_size(self.ring_size, self.sp_size if self.sp_size is not None else self.ring_size)
+        if not self.auto:
+            validate_ring_size(self.ring_size, self.sp_size if self.sp_size is not None else self.ring_size)
         object.__setattr__(self, "attention_modules", tuple(self.attention_modules or ()))
         MemoryFeatures(self.tiled_mlp, self.tiled_loss, self.offload_checkpoints)  # raises naming the bad value
         if self.preflight not in PREFLIGHT_MODES:
@@ -73,8 +90,16 @@ class SequenceParallelConfig:
         """The ALST memory switches."""
         return MemoryFeatures(self.tiled_mlp, self.tiled_loss, self.offload_checkpoints)
 
+    @property
+    def auto(self) -> bool:
+        """Whether the SP size is chosen from the memory plan (``sp_size="auto"``)."""
+        return isinstance(self.sp_size, str) and self.sp_size == AUTO
+
     def sp_size_for(self, devices_per_node: int) -> int:
         """The SP group size: as requested, or every device of a node for ``sp_size=None``."""
+        if self.auto:
+            raise RuntimeError("sp_size='auto' is chosen once the model is known (the Trainer: before DeepSpeed's"
+                               " engine is built; Fabric: at fabric.setup(model)); the size does not exist before.")
         return self.sp_size if self.sp_size is not None else devices_per_node
 
 

@@ -94,7 +94,8 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
     Args: as the Trainer's :class:`lightning_ulysses.UlyssesDeepSpeedStrategy` (``sp_size``, ``ring_size``,
     ``sdpa_per_document``, ``attention_modules``, ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints``,
     ``check_sp_agreement``, ``verify_checkpoints``, ``check_model_form``, ``allow_untested_versions``,
-    ``memory_budget``, ``preflight``), and every
+    ``memory_budget``, ``preflight``, ``sequence_length``; with ``sp_size="auto"`` the size is chosen at
+    ``fabric.setup(model, ...)``, so set up the model before the dataloaders), and every
     argument of Fabric's :class:`~lightning.fabric.strategies.DeepSpeedStrategy` (``stage``, ``config``, ...) as
     keywords.
     """
@@ -103,7 +104,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
 
     def __init__(
         self,
-        sp_size: Optional[int] = None,
+        sp_size: Optional[Union[int, str]] = None,
         sdpa_per_document: bool = False,
         attention_modules: Optional[Sequence[ModuleSelector]] = None,
         tiled_mlp: memory.TileSetting = 0,
@@ -116,6 +117,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         allow_untested_versions: bool = False,
         memory_budget: Optional[int] = None,
         preflight: str = "stop",
+        sequence_length: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         # every value checked before anything is built; per-token outputs are the user's to gather under Fabric
@@ -132,7 +134,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
     def setup_environment(self) -> None:
         # Fabric's DeepSpeedStrategy refuses anything but CUDA; the DDP set-up underneath works for CPU/gloo too.
         self._set_up_sequence_parallel(lambda: DDPStrategy.setup_environment(self))
-        if self._steps is None:
+        if self._steps is None and self._runner is not None:  # sp_size="auto": at fabric.setup(model)
             self._steps = ForwardSteps(self.runner)
 
     @override
@@ -197,6 +199,9 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         accumulation = int(self.config.get("gradient_accumulation_steps", 1))
         if accumulation != 1:
             raise ValueError(accumulation_config_error(accumulation))
+        if self._layout is None:  # sp_size="auto": chosen now that the model is known
+            self._choose_sp_size(module)
+            self._steps = ForwardSteps(self.runner)
         runner = self.runner
         # DeepSpeed's accumulation count is 1: the loss is divided by the window only where the script divides it.
         front_end.complete_gradient_factors(runner, self.config, self.layout, 1, self.zero_stage_3,

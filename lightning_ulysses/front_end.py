@@ -29,6 +29,7 @@ from lightning_ulysses.parallel.layout import (
     validate_sp_size,
 )
 from lightning_ulysses.patches import PatchStack
+from lightning_ulysses.plan import auto as auto_plan
 from lightning_ulysses.plan import preflight as preflight_check
 from lightning_ulysses.training.agreement import SPAgreement
 from lightning_ulysses.training.gradient_factor import GradientFactors
@@ -91,6 +92,7 @@ class SequenceParallelFrontEnd:
         self._preflight_skipped: Optional[str] = None
         self._drift: Optional[DriftReport] = None  # the drift check's finding, once per strategy
         self._layout: Optional[SequenceParallelLayout] = None
+        self.auto_choice: Optional[Any] = None  # sp_size="auto": the Recommendation taken (plan and estimate)
         self._runner: Optional[StepRunner] = None  # per stage (Trainer) or per set-up (Fabric)
         self._models = PreparedModels()
         self._patches = PatchStack()  # every change to the user's objects and to other libraries, closed in teardown
@@ -121,17 +123,61 @@ class SequenceParallelFrontEnd:
         the process group set up (``set_up_processes``: the DDP set-up under Lightning's DeepSpeed one, which
         refuses CPU), the installed libraries checked against the tested versions (on every rank, before any model
         is touched; see :mod:`lightning_ulysses.drift.guard`), then the layout and the step runner built."""
-        spanning = check_world(self.sp_size, self.ring_size, self.num_nodes, self.num_processes)
-        if spanning is not None:
-            rank_zero_warn(spanning)
+        if not self.settings.auto:
+            self._check_world(self.settings.sp_size_for(self.num_processes))
         if self.root_device.type == "cpu":
             use_deepspeed_cpu_accelerator()
         set_up_processes()
         if self._drift is None:
             self._drift = enforce_tested_versions(self._front_end_name, self.root_device,
                                                   self.allow_untested_versions, rank_zero_warn)
+        if self._layout is not None:  # a later stage: the runner again
+            self._build_layout(self._layout.sp_size)
+        elif not self.settings.auto:  # sp_size="auto": once the model is known (_choose_sp_size)
+            self._build_layout(self.settings.sp_size_for(self.num_processes))
+
+    def _check_world(self, sp_size: int) -> None:
+        spanning = check_world(sp_size, self.ring_size, self.num_nodes, self.num_processes)
+        if spanning is not None:
+            rank_zero_warn(spanning)
+
+    def _choose_sp_size(self, module: Module) -> None:
+        """``sp_size="auto"``: the size from the memory plan of ``module``'s model (:mod:`lightning_ulysses.plan.
+        auto`), then the layout and the step runner built with it; logged on rank zero. Called by the front ends once
+        the model is known, before any weight is prepared or put on the device; a no-op otherwise."""
+        if not self.settings.auto or self._layout is not None:
+            return
+        budget = self.memory_budget if self.memory_budget is not None else preflight_check.device_budget(
+            self.root_device)
+        budget = auto_plan.smallest_over_ranks(budget, self.root_device)
+        if budget is None:
+            raise ValueError(auto_plan.budget_error())
+        zero = (self.config or {}).get("zero_optimization", {})
+        offload = zero.get("offload_optimizer") or {}
+        micro_batch = (self.config or {}).get("train_micro_batch_size_per_gpu", 1)
+        settings = auto_plan.AutoSettings(
+            sequence_length=int(self.settings.sequence_length), devices_per_node=self.num_processes,
+            nodes=self.num_nodes, budget_bytes=int(budget), precision=self._planned_precision(),
+            stage=int(zero.get("stage", 0)), memory_switches=self.memory_features.any,
+            offload_optimizer=isinstance(offload, dict) and offload.get("device", "none") != "none",
+            micro_batch=micro_batch if isinstance(micro_batch, int) else 1,
+            device_name=torch.cuda.get_device_name(self.root_device) if self.root_device.type == "cuda" else "")
+        choice = auto_plan.choose_sp_size(auto_plan.planned_model_config(module), settings)
+        self._check_world(choice.sp_size)
+        self._build_layout(choice.sp_size)
+        self.auto_choice = choice
+        rank_zero_info(auto_plan.describe(choice, settings))
+
+    def _planned_precision(self) -> str:
+        """Lightning's precision setting of the run, as the planner names it."""
+        plugin = getattr(self, "precision_plugin", None) or getattr(self, "precision", None)
+        precision = str(getattr(plugin, "precision", "32-true"))
+        bf16 = bool((self.config or {}).get("bf16", {}).get("enabled"))
+        return "bf16-mixed" if bf16 and precision.startswith("32") else precision
+
+    def _build_layout(self, sp_size: int) -> None:
         if self._layout is None:
-            self._layout = SequenceParallelLayout.build(self.root_device.type, self.sp_size, self.ring_size)
+            self._layout = SequenceParallelLayout.build(self.root_device.type, sp_size, self.ring_size)
         if self._runner is None:  # one per stage (Trainer) or per set-up (Fabric); its gradient factors are
             # completed by complete_gradient_factors once the DeepSpeed config is final
             layout = self._layout
@@ -200,15 +246,20 @@ class SequenceParallelFrontEnd:
     @property
     def sp_size(self) -> int:
         """Ranks per SP group (the layout's once it exists; before, as requested, or the devices per node if
-        ``sp_size=None`` was given)."""
+        ``sp_size=None`` was given; ``sp_size="auto"`` has none before it is chosen)."""
         if self._layout is not None:
             return self._layout.sp_size
         return self.settings.sp_size_for(self.num_processes)
 
     @property
     def layout(self) -> SequenceParallelLayout:
-        """The DP×SP layout (mesh, groups, ranks); exists once the process group is set up."""
+        """The DP×SP layout (mesh, groups, ranks); exists once the process group is set up (with
+        ``sp_size="auto"``, once the model is known)."""
         if self._layout is None:
+            if self.settings.auto:
+                raise RuntimeError("With sp_size='auto' the sequence-parallel layout exists once the model is known:"
+                                   " the Trainer chooses it before building DeepSpeed's engine, Fabric at"
+                                   " fabric.setup(model, ...) (set up the model before the dataloaders).")
             raise RuntimeError("The sequence-parallel layout exists only after the Trainer or Fabric has set up the"
                                " processes.")
         return self._layout

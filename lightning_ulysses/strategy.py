@@ -66,7 +66,14 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         sp_size: Ranks per sequence-parallel group. Must divide the world size (``num_nodes × devices``) and, with
             ``ring_size``, leave at least one attention head per Ulysses rank (``sp_size / ring_size <= heads``;
             uneven head splits work, the busiest rank sets the pace). ``None``: the number of devices per node (SP
-            inside each node, DP across nodes).
+            inside each node, DP across nodes). ``"auto"``: chosen from the memory plan of the model (built by then:
+            after ``configure_model``, before DeepSpeed's engine) for rows of ``sequence_length`` tokens: the
+            quickest size whose planned per-rank peak fits ``memory_budget`` (default: the smallest free device
+            memory over the ranks; required on CPU) with the run's ZeRO stage, precision and switches; logged on rank
+            zero and kept as ``strategy.auto_choice``; none fits: every rank stops naming settings that would
+            (docs/planning.md). One Hugging Face model, ``ring_size=1``; ``LightningModule.device_mesh`` exists only
+            from then on.
+        sequence_length: Tokens per row the run trains on, for ``sp_size="auto"`` (ignored otherwise).
         sdpa_per_document: With ``attn_implementation="sdpa"``, rows that pack several documents run attention
             once per document (exact, no ``[S, S]`` mask; a Python loop, slow with many short documents). Off: such
             batches raise, since plain SDPA would let documents attend to each other. ``flash_attention_2/3``
@@ -132,7 +139,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
 
     def __init__(
         self,
-        sp_size: Optional[int] = None,
+        sp_size: Optional[Union[int, str]] = None,
         sdpa_per_document: bool = False,
         gather_predictions: bool = True,
         attention_modules: Optional[Sequence[ModuleSelector]] = None,
@@ -146,6 +153,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         allow_untested_versions: bool = False,
         memory_budget: Optional[int] = None,
         preflight: str = "stop",
+        sequence_length: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         settings = SequenceParallelConfig.from_arguments(locals())  # every value checked before anything is built
@@ -156,7 +164,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
     def setup_environment(self) -> None:
         # Lightning's DeepSpeedStrategy refuses anything but CUDA; the DDP setup underneath works for CPU/gloo too.
         self._set_up_sequence_parallel(lambda: DDPStrategy.setup_environment(self))
-        if self.lightning_module is not None:
+        if self.lightning_module is not None and self._layout is not None:  # sp_size="auto": in init_deepspeed
             _compat.set_device_mesh(self.lightning_module, self._layout.mesh)
 
     @override
@@ -187,6 +195,9 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         """Prepare the models (before any compute), build DeepSpeed's engine, and when training check once that
         DeepSpeed averages gradients the way the strategy's gradient factors assume."""
         assert self.lightning_module is not None and isinstance(self.config, dict)
+        if self._layout is None:  # sp_size="auto": chosen now that the model is built, before DeepSpeed's engine
+            self._choose_sp_size(self.lightning_module)
+            _compat.set_device_mesh(self.lightning_module, self.layout.mesh)
         runner = self.runner
         # Lightning divides the loss by the accumulation count, and DeepSpeed once more.
         accumulation = int(self.config.get("gradient_accumulation_steps", 1))

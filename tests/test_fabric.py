@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from tests.scenarios.fabric import LR, InstructionDataset, build_model, sft_collate
 from tests.support.launcher import launch
-from tests.support.models import TokenDataset, lightning_order
+from lightning_ulysses.plan import plan_memory
+from tests.support.models import TokenDataset, lightning_order, tiny_llama_config
 from tests.test_launchers import slurm_env
 
 
@@ -86,7 +87,15 @@ TWO = [_case("llama", 0), _case("llama", 1), _case("llama", 2), _case("llama", 3
        _case("litgpt-lora", 2), _case("litgpt-lora", 3),
        dict(_case("litgpt-lora", 2), name="litgpt-lora-sft", sft=True),  # LitGPT's fine-tuning data and collate
        dict(_case("llama", 2), name="llama-zero2-accumulation", window=2, steps=4),
-       dict(_case("llama", 3), name="llama-zero3-accumulation", window=2, steps=4)]
+       dict(_case("llama", 3), name="llama-zero3-accumulation", window=2, steps=4),
+       # sp_size="auto" chosen at fabric.setup(model): a budget sp=2 fits and sp=1 does not (64-token rows: at 32 the
+       # two plans' peaks are the same, set by the optimizer step, not the activations; the plan counts a
+       # micro-batch of 1, what the config says before a loader exists; the first step's pre-flight check, which
+       # plans the real batch of 2, is left off here)
+       dict(_case("llama", 2), name="llama-zero2-auto", sp="auto", seq_len=64, strategy={
+           "sequence_length": 64, "preflight": "off", "memory_budget": sum(
+               plan_memory(tiny_llama_config(num_kv_heads=2), 64, sp_size=sp, world_size=2, stage=2,
+                           precision="32-true", optimizer="adamw").peak for sp in (1, 2)) // 2})]
 SAVED = dict(_case("llama", 2), name="llama-saved", steps=2, rows=12)  # saved on 2 ranks (sp=2) ...
 RESUMED = dict(SAVED, name="llama-resumed", sp=4, steps=2)  # ... resumed on 4 (sp=4), the next 2 batches
 FOUR = [dict(_case("llama", stage), name=f"llama-dp2-zero{stage}", dp=2, rows=16) for stage in (2, 3)]
@@ -128,6 +137,12 @@ def four(two, checkpoint_dir):
     return launch(4, "fabric:run", {"cases": FOUR + [dict(RESUMED, load=str(checkpoint_dir))],
                                     "fabric": {"devices": 2, "num_nodes": 2}},
                   timeout=900, extra_env=job, per_rank_env=tasks)
+
+
+def test_auto_sp_size_is_chosen_at_setup(two):
+    """sp_size="auto" under Fabric: chosen at fabric.setup(model) on every rank (the case trains as one device
+    below, with the other cases)."""
+    assert [rank["llama-zero2-auto"]["chosen_sp"] for rank in two] == [2, 2]
 
 
 @pytest.mark.parametrize("case", TWO, ids=[c["name"] for c in TWO])

@@ -9,7 +9,7 @@ import pytest
 from lightning_ulysses import UlyssesDeepSpeedStrategy
 from lightning_ulysses.plan import plan_memory
 from tests.support.launcher import launch
-from tests.support.models import tiny_llama_config
+from tests.support.models import TokenDataset, tiny_llama_config, tiny_qwen3_config, train_single_device
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,10 +19,34 @@ def _planned_peak(stage: int) -> int:
                        optimizer="sgd").peak
 
 
+SEQ_LEN = 64  # the scenario's rows
+
+
+def _between_sp1_and_sp2(config, stage: int) -> int:
+    """A budget the plan at sp=2 fits and the plan at sp=1 does not (2 ranks, the row's length, Adam's states as the
+    automatic choice counts them)."""
+    peaks = [plan_memory(config, SEQ_LEN, sp_size=sp, world_size=2, stage=stage, precision="32-true",
+                         optimizer="adamw").peak for sp in (1, 2)]
+    assert peaks[1] < peaks[0], peaks
+    return (peaks[0] + peaks[1]) // 2
+
+
+AUTO_CASES = [
+    {"name": "auto_llama_zero2", "stage": 2, "model": "llama", "strategy": {
+        "sp_size": "auto", "sequence_length": SEQ_LEN,
+        "memory_budget": _between_sp1_and_sp2(tiny_llama_config(num_kv_heads=2), 2)}},
+    {"name": "auto_qwen3_zero3", "stage": 3, "model": "qwen3", "strategy": {
+        "sp_size": "auto", "sequence_length": SEQ_LEN, "memory_budget": _between_sp1_and_sp2(tiny_qwen3_config(), 3)}},
+    {"name": "auto_roomy_budget", "stage": 2, "model": "llama", "strategy": {
+        "sp_size": "auto", "sequence_length": SEQ_LEN, "memory_budget": 1 << 40}},
+    {"name": "auto_nothing_fits", "stage": 2, "model": "llama", "strategy": {
+        "sp_size": "auto", "sequence_length": SEQ_LEN, "memory_budget": 1 << 20}},
+]
 CASES = [
     {"name": "stop_zero2", "stage": 2, "strategy": {"memory_budget": 1 << 20}},
     {"name": "warn_zero3", "stage": 3, "strategy": {"memory_budget": 1 << 20, "preflight": "warn"}},
     {"name": "fits_zero2", "stage": 2, "strategy": {"memory_budget": 2 * _planned_peak(2)}},
+    *AUTO_CASES,
 ]
 
 
@@ -59,3 +83,46 @@ def test_bad_settings_are_refused_at_construction():
         UlyssesDeepSpeedStrategy(sp_size=2, preflight="maybe")
     with pytest.raises(ValueError, match="memory_budget must be a positive number"):
         UlyssesDeepSpeedStrategy(sp_size=2, memory_budget=-1)
+
+
+@pytest.mark.parametrize("name,model", [("auto_llama_zero2", "llama"), ("auto_qwen3_zero3", "qwen3")])
+def test_auto_chooses_the_size_that_fits_and_trains_exactly(results, name, model):
+    """sp_size="auto" under a budget that sp=2 fits and sp=1 does not: every rank chooses 2, and the training is the
+    single device's (losses within 1e-5, weights within 1e-4, relative)."""
+    config = tiny_qwen3_config() if model == "qwen3" else tiny_llama_config(num_kv_heads=2)
+    reference = train_single_device(config, TokenDataset(3, SEQ_LEN), global_batch=1, steps=3)
+    for result in results[name]:
+        assert result["error_type"] is None, result["message"]
+        assert result["chosen_sp_size"] == 2
+        for got, want in zip(result["losses"], reference["losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (result["losses"], reference["losses"])
+    weights = results[name][0]["weights"]
+    for key, want in reference["weights"].items():
+        assert (weights[key] - want).norm() <= 1e-4 * want.norm(), key
+
+
+def test_auto_takes_the_smallest_size_when_a_whole_row_fits(results):
+    for result in results["auto_roomy_budget"]:
+        assert result["error_type"] is None, result["message"]
+        assert result["chosen_sp_size"] == 1  # two data-parallel replicas: the quickest estimate
+
+
+def test_auto_with_nothing_fitting_stops_every_rank_before_any_weight_changes(results):
+    for result in results["auto_nothing_fits"]:
+        assert result["error_type"] == "ValueError", result["message"]
+        assert "found no SP size that fits 64 tokens per row" in result["message"], result["message"]
+        assert result["losses"] == [] and result["unchanged"]
+
+
+def test_auto_settings_are_checked_at_construction():
+    with pytest.raises(ValueError, match="pass `sequence_length=<tokens per row>` too"):
+        UlyssesDeepSpeedStrategy(sp_size="auto")
+    with pytest.raises(ValueError, match="plans Ulysses groups only"):
+        UlyssesDeepSpeedStrategy(sp_size="auto", sequence_length=4096, ring_size=2)
+    with pytest.raises(ValueError, match="positive integer, None or 'auto'"):
+        UlyssesDeepSpeedStrategy(sp_size="max")
+    with pytest.raises(ValueError, match="sequence_length must be a positive number"):
+        UlyssesDeepSpeedStrategy(sp_size="auto", sequence_length=0)
+    strategy = UlyssesDeepSpeedStrategy(sp_size="auto", sequence_length=4096)
+    with pytest.raises(RuntimeError, match="once the model is known"):
+        strategy.sp_size

@@ -186,6 +186,7 @@ def train(case: dict) -> dict:
         fabric.save(case["save"], state)
     return {"losses": losses, "weights": _weights(fabric, model, case["stage"]),
             "form_checks": strategy.form_checks_run, "dp_size": strategy.dp_size, "start": state["step"] - len(losses),
+            "chosen_sp": strategy.auto_choice.sp_size if strategy.auto_choice is not None else None,
             "cluster_environment": type(strategy.cluster_environment).__name__,
             "sp_group": strategy.layout.sp_group_ranks(), "node_rank": strategy.node_rank}
 

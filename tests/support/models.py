@@ -29,10 +29,22 @@ def tiny_llama_config(num_kv_heads: int = 4, num_heads: int = 4, attn: str = "sd
 
 
 def build_llama(config, init_seed: int = 0):
-    from transformers import LlamaForCausalLM
+    """The causal LM of ``config`` (a Llama, or any other family's config), seeded."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(init_seed)
-    return LlamaForCausalLM(config)
+    if type(config) is LlamaConfig:
+        return LlamaForCausalLM(config)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def tiny_qwen3_config():
+    """A Qwen3 decoder of the tiny Llama's size: query/key norms, GQA 4/2, head size 16."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                       attn_implementation="sdpa", pad_token_id=0, tie_word_embeddings=False)
 
 
 class TokenDataset(Dataset):
