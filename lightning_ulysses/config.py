@@ -67,7 +67,7 @@ class SequenceParallelConfig:
                 raise ValueError("sp_size='auto' plans Ulysses groups only (the planner does not model ring"
                                  " attention yet): pass both sizes as numbers, or ring_size=1.")
         elif isinstance(self.sp_size, str):
-            raise ValueError(f"sp_size must be a positive integer, None or 'auto', not {self.sp_size!r}.")
+            raise ValueError(f"`sp_size` must be a positive integer, None or 'auto', got {self.sp_size!r}.")
         elif self.sp_size is not None:
             validate_sp_size(self.sp_size, self.sp_size)  # type and sign; the world size is checked once known
         if not self.auto:

@@ -136,7 +136,7 @@ def test_strategy_help_shows_every_argument_with_its_type(cli_module, restore_en
     blocks = {name: " ".join(block.split()) for name, block in blocks.items()}  # undo the line wrapping
     for name in STRATEGY_ARGS:
         assert "(type: " in blocks[name], name
-    assert "(type: Optional[int], default: null)" in blocks["sp_size"]
+    assert "(type: Union[int, str, null], default: null)" in blocks["sp_size"]  # a number, None or "auto"
     assert "(type: int, default: 2)" in blocks["stage"]
     assert "(type: bool, default: False)" in blocks["sdpa_per_document"]
     assert "(type: Union[str, Path, dict[str, Any], null], default: null)" in blocks["config"]

@@ -119,7 +119,7 @@ def test_auto_settings_are_checked_at_construction():
         UlyssesDeepSpeedStrategy(sp_size="auto")
     with pytest.raises(ValueError, match="plans Ulysses groups only"):
         UlyssesDeepSpeedStrategy(sp_size="auto", sequence_length=4096, ring_size=2)
-    with pytest.raises(ValueError, match="positive integer, None or 'auto'"):
+    with pytest.raises(ValueError, match="`sp_size` must be a positive integer, None or 'auto', got 'max'"):
         UlyssesDeepSpeedStrategy(sp_size="max")
     with pytest.raises(ValueError, match="sequence_length must be a positive number"):
         UlyssesDeepSpeedStrategy(sp_size="auto", sequence_length=0)

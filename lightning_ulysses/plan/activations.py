@@ -93,6 +93,30 @@ def _no_value_reads() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
+@contextlib.contextmanager
+def _grouped_experts_on_meta() -> Iterator[None]:
+    """transformers' fused experts (``gate_up_proj`` [E, ...]) multiply with torch's grouped matmul, whose meta kernel
+    takes bf16 only; on the meta device they take transformers' fallback instead, whose meta form allocates what the
+    grouped matmul does ([tokens·top_k, out] forward; the input's and the weights' gradients backward): the traced
+    step of a Mixtral or a Qwen3-MoE equals the real CPU step byte for byte (``tests/plan/test_planner.py``). The
+    fused path's memory does not depend on which experts the tokens pick, only on how many picks there are."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # a transformers without fused experts
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda input, weight, offs: False if weight.device.type == "meta" else original(
+        input, weight, offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
 @dataclass(frozen=True)
 class TracedStep:
     """One rank's traced step, in bytes: ``peak`` (the step's allocations at their peak), ``by_kind`` and
@@ -179,7 +203,7 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
     hooks = [p.register_post_accumulate_grad_hook(first_gradient) for p in model.parameters() if p.requires_grad]
     targets = {"shift_labels": ids} if tiled_loss else {"labels": ids}
     try:
-        with _no_value_reads(), _offload_shapes(host), TensorMemoryTracker() as tracker:
+        with _no_value_reads(), _grouped_experts_on_meta(), _offload_shapes(host), TensorMemoryTracker() as tracker:
             model(input_ids=ids, **targets).loss.backward()
     finally:
         for hook in hooks:

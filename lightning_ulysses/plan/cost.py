@@ -39,11 +39,23 @@ class StepCost:
     zero_bytes: float  # sent per rank (ZeRO's gradient and parameter collectives)
 
 
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k")
+
+
+def experts_of(config: Any) -> tuple[int, int]:
+    """``(experts, picked per token)`` of a mixture-of-experts config; ``(0, 0)`` for a dense one."""
+    experts = next((int(v) for key in _EXPERT_KEYS if isinstance(v := getattr(config, key, None), int) and v > 1), 0)
+    if not experts:
+        return 0, 0
+    top_k = next((int(v) for key in _TOP_K_KEYS if isinstance(v := getattr(config, key, None), int) and v > 0), 0)
+    if not top_k:
+        raise ValueError(f"The step cost needs the experts picked per token of this mixture-of-experts config"
+                         f" ({experts} experts; none of {_TOP_K_KEYS} is set).")
+    return experts, top_k
+
+
 def _sizes(config: Any) -> tuple[int, int, int, int, int, int, int]:
-    for moe in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if getattr(config, moe, None):
-            raise ValueError("The step cost counts dense decoders (attention and a gated MLP per layer); this config"
-                             f" has experts ({moe}={getattr(config, moe)}).")
     hidden, layers = config.hidden_size, config.num_hidden_layers
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -52,10 +64,39 @@ def _sizes(config: Any) -> tuple[int, int, int, int, int, int, int]:
 
 
 def matmul_parameters(config: Any) -> int:
-    """The weights of every matmul of a step: attention projections and gated MLP per layer, and the LM head."""
+    """The weights of every matmul of a step, as many as one token multiplies with: attention projections and gated
+    MLP per layer, and the LM head; for a mixture of experts the weights of the experts a token picks (``top_k`` of
+    ``E``: each fused expert tensor counted ``top_k / E``), the router and the shared experts, from the model built
+    on the meta device."""
+    if experts_of(config)[0]:
+        return _active_matmul_parameters(config)
     h, layers, hq, hkv, d, inter, vocab = _sizes(config)
     per_layer = h * hq * d + 2 * h * hkv * d + hq * d * h + 3 * h * inter
     return layers * per_layer + h * vocab
+
+
+def _active_matmul_parameters(config: Any) -> int:
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    experts, top_k = experts_of(config)
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = model.get_output_embeddings()
+    total = head.weight.numel() if head is not None else 0
+    seen = {id(head.weight)} if head is not None else set()
+    for p in model.parameters():
+        if id(p) in seen or id(p) in embeddings or p.ndim < 2:
+            continue
+        seen.add(id(p))
+        fused_experts = p.ndim == 3 and p.shape[0] == experts
+        total += p.numel() * top_k // experts if fused_experts else p.numel()
+    return total
 
 
 def step_cost(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Optional[int] = None, stage: int = 2,

@@ -58,16 +58,20 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 
 
 def not_validated(model: torch.nn.Module) -> Optional[str]:
-    """Why the plan is not yet trusted to stop a run of ``model`` (``None``: a dense text decoder, measured):
-    MoE models (the meta device cannot know which experts tokens pick), hybrid models (their mixers' exchange is not
-    counted) and vision-language models (the vision tower is not traced)."""
+    """Why the plan is not yet trusted to stop a run of ``model`` (``None``: a dense text decoder or a mixture of
+    transformers' fused experts, measured): MoE models with separate expert modules, hybrid models (their mixers'
+    exchange is not counted) and vision-language models (the vision tower is not traced)."""
     from lightning_ulysses.models.refusals import sequence_mixers
     from lightning_ulysses.models.vision_language import is_vision_language_model
 
     config = getattr(model, "config", None)
     configs = [config, getattr(config, "text_config", None)]
-    if any((getattr(c, key, 0) or 0) > 1 for c in configs if c is not None for key in _EXPERT_KEYS):
-        return "mixture-of-experts models are not yet measured against the plan"
+    experts = max(((getattr(c, key, 0) or 0) for c in configs if c is not None for key in _EXPERT_KEYS), default=0)
+    fused = any(p.ndim == 3 and p.shape[0] == experts for p in model.parameters())
+    if experts > 1 and not fused:
+        # transformers' fused experts (one [E, ...] tensor) are traced exactly (their memory depends on how many
+        # picks there are, not which); experts as separate modules skipped when no token picks them are not
+        return "mixture-of-experts models with separate expert modules are not yet measured against the plan"
     if is_vision_language_model(model):
         return "vision-language models are not yet measured against the plan"
     if sequence_mixers(model):

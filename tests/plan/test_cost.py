@@ -69,11 +69,23 @@ def test_the_recommendation_fits_and_ranks_by_throughput():
     assert recommend(CONFIG, 32768, devices_per_node=4, device="h100", budget_bytes=1, **choices) == []
 
 
-def test_experts_are_refused_by_the_step_cost():
+def test_a_mixture_of_experts_costs_the_experts_a_token_picks():
+    """Mixtral-shaped, 8 experts, 2 per token: the step's matmul FLOPs are those of 2 experts' MLPs (and the router),
+    not 8; an MoE config without a count of experts per token is refused naming the keys read."""
     from transformers import MixtralConfig
 
-    with pytest.raises(ValueError, match="dense decoders"):
-        step_cost(MixtralConfig(num_local_experts=4), 1024)
+    sizes = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2)
+    two = step_cost(MixtralConfig(num_local_experts=8, num_experts_per_tok=2, **sizes), 1024, attention_fraction=0)
+    eight = step_cost(MixtralConfig(num_local_experts=8, num_experts_per_tok=8, **sizes), 1024, attention_fraction=0)
+    assert 0.3 * eight.flops < two.flops < 0.5 * eight.flops  # the experts are most of the weights, not all
+    unknown = LlamaConfig(**sizes)
+    unknown.num_experts = 8  # experts, and none of the keys that say how many a token picks
+    with pytest.raises(ValueError, match="experts picked per token"):
+        step_cost(unknown, 1024)
+    found = recommend(MixtralConfig(num_local_experts=8, num_experts_per_tok=2, **sizes), 8192, devices_per_node=4,
+                      device="h100")
+    assert found and found[0].tokens_per_second > 0
 
 
 def test_the_command_gives_each_plans_cost_and_a_recommendation(tmp_path, capsys):

@@ -85,9 +85,52 @@ def test_the_preflight_check_stops_only_models_the_plan_was_measured_on():
             return AutoModelForCausalLM.from_config(config)
 
     assert not_validated(build("llama")) is None
-    assert "mixture-of-experts" in not_validated(build("mixtral", num_local_experts=4))
-    assert "mixture-of-experts" in not_validated(build("qwen3_next"))  # a hybrid and an MoE
+    assert not_validated(build("mixtral", num_local_experts=4)) is None  # fused experts: traced exactly
+    assert "separate expert modules" in not_validated(build("llama", num_local_experts=4))  # no [E, ...] tensor
+    assert "hybrid" in not_validated(build("qwen3_next"))  # a hybrid and an MoE
     assert "hybrid" in not_validated(build("bamba"))
+
+
+MOE_CONFIGS = {
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(model_type="qwen3_moe", moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                      head_dim=16),
+}
+
+
+def _moe_config(name):
+    from transformers import AutoConfig
+
+    sizes = dict(MOE_CONFIGS[name])
+    return AutoConfig.for_model(sizes.pop("model_type"), vocab_size=1024, hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                attn_implementation="sdpa", **sizes)
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
+def test_a_mixture_of_fused_experts_is_traced_as_the_real_step(name):
+    """transformers' fused experts on the meta device (the grouped matmul's fallback, whose meta form allocates what
+    the grouped matmul does) against the real CPU step: byte for byte, whatever experts the tokens pick."""
+    from transformers import AutoModelForCausalLM
+
+    config = _moe_config(name)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, config.vocab_size, (2, 512))
+    with TensorMemoryTracker() as tracker:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert trace_step(config, 512, batch_size=2).peak == tracker.result().peak_bytes
+
+
+def test_the_step_cost_of_a_mixture_counts_the_experts_a_token_picks():
+    """6 FLOPs per weight a token multiplies with: of 4 Mixtral experts, the 2 it picks (as a dense MLP twice as
+    wide) and the router."""
+    from lightning_ulysses.plan.cost import matmul_parameters
+
+    mixtral = _moe_config("mixtral")
+    dense = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=2 * 256, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2)
+    assert matmul_parameters(mixtral) == matmul_parameters(dense) + 2 * 128 * 4
 
 
 @pytest.mark.parametrize("tiled_mlp,tiled_loss", [(4, 0), (0, 4), (4, 4)])

@@ -75,14 +75,18 @@ PAYLOAD = {"seq_len": 4096, "hidden": 256, "layers": 2, "vocab": 512, "steps": 2
 # ZeRO 3 with bf16, whole parameters only under the persistence threshold (2 layers, S = 2048, sp = 2): in the sp=2
 # launch
 ZERO3_BF16 = {**PAYLOAD, "seq_len": 2048, "stage": 3, "precision": "bf16-mixed", "sp": 2}
+# A mixture of experts (Qwen3-MoE, transformers' fused experts: 8 of a quarter width, 2 per token), S = 2048, at sp 1
+# (in the sp=1 launch) and sp 2 (in the sp=2 launch)
+MOE = {**PAYLOAD, "seq_len": 2048, "moe": True}
 
 
 @pytest.fixture(scope="module")
 def launched():
-    found = {sp: launch(sp, "memory_per_rank:run", {"runs": [{**PAYLOAD, "sp": sp}] + ([ZERO3_BF16] if sp == 2 else [])})
-             for sp in (1, 2, 4)}
+    extra = {1: [{**MOE, "sp": 1}], 2: [ZERO3_BF16, {**MOE, "sp": 2}], 4: []}
+    found = {sp: launch(sp, "memory_per_rank:run", {"runs": [{**PAYLOAD, "sp": sp}] + extra[sp]}) for sp in (1, 2, 4)}
     return {"per_sp": {sp: [r["runs"][0] for r in ranks] for sp, ranks in found.items()},
-            "zero3_bf16": [r["runs"][1] for r in found[2]]}
+            "zero3_bf16": [r["runs"][1] for r in found[2]],
+            "moe": {1: [r["runs"][1] for r in found[1]], 2: [r["runs"][2] for r in found[2]]}}
 
 
 @pytest.fixture(scope="module")
@@ -122,21 +126,33 @@ def test_no_layer_keeps_more_per_token_than_one_device_but_the_exchanged_attenti
 def _plan_config(payload):
     from transformers import LlamaConfig
 
+    if payload.get("moe"):
+        from tests.scenarios.memory_per_rank import moe_config
+
+        return moe_config(payload)
+
     hidden = payload["hidden"]
     return LlamaConfig(vocab_size=payload["vocab"], hidden_size=hidden, intermediate_size=4 * hidden,
                        num_hidden_layers=payload["layers"], num_attention_heads=8, num_key_value_heads=8,
                        max_position_embeddings=payload["seq_len"], pad_token_id=0)
 
 
+@pytest.fixture(scope="module")
+def moe(launched):
+    return launched["moe"]
+
+
 @pytest.mark.multiprocess
-def test_the_plan_predicts_what_each_rank_holds(per_sp, zero3_bf16):
+def test_the_plan_predicts_what_each_rank_holds(per_sp, zero3_bf16, moe):
     """lightning_ulysses.plan, counted from shapes before any process starts, against the same runs: the step's
     allocations at their peak (with ZeRO 3's gathered parameters) within 2%, the states a step starts from
     (parameters, DeepSpeed's float32 copies and buffers, the batch) within 10%, the sum within 3%: at ZeRO 2 in
-    float32 for sp 1, 2 and 4, at ZeRO 3 in bf16 for sp 2 (docs/planning.md)."""
+    float32 for sp 1, 2 and 4, at ZeRO 3 in bf16 for sp 2, and for a mixture of experts (Qwen3-MoE) at ZeRO 2 for sp 1
+    and 2 (docs/planning.md)."""
     from lightning_ulysses.plan import plan_memory
 
-    runs = [({**PAYLOAD, "sp": sp}, ranks) for sp, ranks in per_sp.items()] + [(ZERO3_BF16, zero3_bf16)]
+    runs = [({**PAYLOAD, "sp": sp}, ranks) for sp, ranks in per_sp.items()] + [(ZERO3_BF16, zero3_bf16)] + [
+        ({**MOE, "sp": sp}, ranks) for sp, ranks in moe.items()]
     for payload, ranks in runs:
         plan = plan_memory(_plan_config(payload), payload["seq_len"], sp_size=payload["sp"], stage=payload["stage"],
                            precision=payload.get("precision", "32-true"), optimizer="sgd",

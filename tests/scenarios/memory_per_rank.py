@@ -28,10 +28,15 @@ def _fit(payload: dict) -> dict:
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.model = LlamaForCausalLM(LlamaConfig(
-                vocab_size=payload["vocab"], hidden_size=hidden, intermediate_size=4 * hidden,
-                num_hidden_layers=payload["layers"], num_attention_heads=8, num_key_value_heads=8,
-                max_position_embeddings=seq_len, attn_implementation="sdpa", pad_token_id=0))
+            if payload.get("moe"):
+                from transformers import AutoModelForCausalLM
+
+                self.model = AutoModelForCausalLM.from_config(moe_config(payload), attn_implementation="sdpa")
+            else:
+                self.model = LlamaForCausalLM(LlamaConfig(
+                    vocab_size=payload["vocab"], hidden_size=hidden, intermediate_size=4 * hidden,
+                    num_hidden_layers=payload["layers"], num_attention_heads=8, num_key_value_heads=8,
+                    max_position_embeddings=seq_len, attn_implementation="sdpa", pad_token_id=0))
 
         def training_step(self, batch, batch_idx):
             loss = self.model(**batch).loss
@@ -64,6 +69,18 @@ def _fit(payload: dict) -> dict:
     last = monitor.steps[-1]
     return {"peak": last.peak_bytes, "by_layer": last.by_layer, "by_kind": last.by_kind, "losses": losses,
             "persistent": persistent[-1]}
+
+
+def moe_config(payload: dict):
+    """A Qwen3-MoE of the payload's width: 8 experts of a quarter of the dense MLP's width, 2 picked per token,
+    transformers' fused experts."""
+    from transformers import Qwen3MoeConfig
+
+    hidden = payload["hidden"]
+    return Qwen3MoeConfig(vocab_size=payload["vocab"], hidden_size=hidden, intermediate_size=4 * hidden,
+                          moe_intermediate_size=hidden, num_hidden_layers=payload["layers"], num_attention_heads=8,
+                          num_key_value_heads=8, head_dim=hidden // 8, num_experts=8, num_experts_per_tok=2,
+                          max_position_embeddings=payload["seq_len"], pad_token_id=0)
 
 
 def _live_tensor_bytes() -> int:
