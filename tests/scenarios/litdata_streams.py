@@ -36,10 +36,18 @@ def token_row(index: int) -> dict[str, Any]:
 
 def write_dataset(output_dir: str) -> None:
     """The token dataset in litdata's chunked format (small chunks: several per epoch and per replica)."""
+    import multiprocessing
+
     import litdata
 
-    litdata.optimize(fn=token_row, inputs=list(range(NUM_ROWS)), output_dir=output_dir, chunk_bytes="4KB",
-                     num_workers=1, mode=None)
+    # litdata's optimize sets the process-wide start method to "spawn" (force=True) and leaves it so: every later
+    # DataLoader with workers in this process would then pickle its dataset (a test's local class fails there)
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        litdata.optimize(fn=token_row, inputs=list(range(NUM_ROWS)), output_dir=output_dir, chunk_bytes="4KB",
+                         num_workers=1, mode=None)
+    finally:
+        multiprocessing.set_start_method(before, force=True)
 
 
 def streaming_loader(data_dir: str, num_workers: int = 0) -> Any:
