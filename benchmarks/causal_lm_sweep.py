@@ -67,6 +67,16 @@ FINDINGS: dict[str, tuple[list[str], str]] = {
         "`WhisperForCausalLM.forward` takes no `position_ids`: its decoder numbers positions 0..s-1 of the local "
         "shard (and its labels are not shifted). The ranks' losses differ and the strategy's loss-agreement check "
         "stops the fit after the first forward, before any weight changes: caught, not silent."),
+    "bf16 MoE loss after two updates": (
+        ["granitemoe_swa"],
+        "bf16 with packed rows only (exact in fp32 at every setting, and in bf16 without packing): the first two "
+        "losses are off float64 as one device's (3.2e-5 / 3.5e-5 against 2.7e-5 / 3.0e-5), the update error is "
+        "1.01x one device's, and the third loss, after two updates, is off 2.4e-4 against 0.9-1.3e-4 for the "
+        "one-device computations (with the row repeated 2 or 4 times in the batch: 1.3e-4 / 0.9e-4, measured by hand). "
+        "Under SP each rank's gradient is a partial sum over its shard, rounded to bf16 before DeepSpeed's bf16 "
+        "reduction adds the two: one rounding more than one device makes (as data parallelism has), which a "
+        "mixture-of-experts router can turn into another expert choice for a token at the next step. SP's doing, "
+        "through DeepSpeed's bf16 gradients; within bf16's noise in the weights, above 2x in one step's loss."),
 }
 
 

@@ -27,8 +27,9 @@ RERUN = (f"rerun `{sweep.COMMAND}` (`--only <model types>` for some rows) and co
 # own attention) refused, BART's decoder stopped by the model-form check, HY V4 (indexed attention) refused.
 SAMPLE = ["deepseek_v2", "glm4_moe", "apertus", "mpt", "bart", "hy_v4"]
 # at ZeRO 3 partitioned, bf16 and packed rows: latent attention with its family's ratio of value to query/key head
-# sizes (20 / 32) and an MoE; a Llama-shaped decoder; GPT-2 (learned absolute positions)
-SETTINGS_SAMPLE = ["deepseek_v2", "apertus", "gpt2"]
+# sizes (20 / 32) and an MoE; a Llama-shaped decoder; GPT-2 (learned absolute positions); Granite-SWA (attention
+# sinks and sliding windows: one sink call per packed document)
+SETTINGS_SAMPLE = ["deepseek_v2", "apertus", "gpt2", "granite_swa"]
 
 
 def test_the_table_covers_every_causal_lm_class():

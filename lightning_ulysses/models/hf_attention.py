@@ -285,9 +285,19 @@ class AttentionSpec:
 # runs. One table instead of branches: a new kind of attention is a new row.
 def _with_sinks(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kwargs: dict[str, Any], context: StepContext) -> torch.Tensor:
+    """Attention with per-head sinks; with packed documents, one call per document (the sink is a logit of every
+    query, whatever its document: each document attends to itself and the sink, as one device's packed mask has it).
+    ``q/k/v [B, h, S, D]`` -> ``[B, S, hq, Dv]``."""
     local = _local_heads(spec.sinks, spec.sinks.shape[0], context.ulysses_group)  # [hq]: this rank's heads' sinks
     scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
-    return sink_attention(q, k, v, local, spec.window, scale)
+    if spec.documents is None:
+        return sink_attention(q, k, v, local, spec.window, scale)
+    B, hq, S, _ = q.shape
+    bounds = spec.documents.cu_seqlens.tolist()  # offsets in the flattened [B*S] (a host tensor)
+    qf, kf, vf = _flatten_rows(q), _flatten_rows(k), _flatten_rows(v)  # [1, h, B*S, D]
+    pieces = [sink_attention(qf[:, :, a:b], kf[:, :, a:b], vf[:, :, a:b], local, spec.window, scale)
+              for a, b in zip(bounds[:-1], bounds[1:])]  # each [1, L_doc, hq, Dv]
+    return torch.cat(pieces, dim=1).reshape(B, S, hq, -1)
 
 
 def _over_the_ring(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor, k: torch.Tensor,
@@ -432,13 +442,9 @@ def _local_heads(per_head: torch.Tensor, num_heads: int, group: Any) -> torch.Te
 def _refuse_unsupported_sinks(module: nn.Module, context: StepContext, chunk: Optional[int],
                               image_blocks: bool) -> None:
     name = type(module).__name__
-    shard = context.shard_info
     if context.ring_size > 1:
         raise ValueError(f"{name} has attention sinks (per-head `s_aux` logits): supported with ring_size=1 (Ulysses),"
                          " not with ring attention yet.")
-    if shard is not None and shard.packed:
-        raise ValueError(f"{name} has attention sinks and this batch packs several documents per row: not supported"
-                         " yet; give one document per row (padded).")
     if chunk is not None or image_blocks:
         raise ValueError(f"{name} has attention sinks together with chunked attention or image blocks: not"
                          " supported.")
