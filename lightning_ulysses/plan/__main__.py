@@ -68,6 +68,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the model's gradient_checkpointing_enable()")
     parser.add_argument("--longest", action="store_true", help="also find the longest sequence that fits")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of tables")
+    parser.add_argument("--plot", metavar="FILE", help="also write a plot of the planned peak against the sequence"
+                        " length (seq-len/8 to seq-len x 4), a line per --sp, the budget drawn (needs matplotlib)")
     parser.add_argument("--recommend", action="store_true",
                         help="rank every setting that fits --device (sp, ZeRO 2/3, memory switches, optimizer offload)"
                              " by estimated throughput, on --gpus-per-node x --nodes devices")
@@ -80,13 +82,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     budget = (int(args.memory_gib * GIB) if args.memory_gib else
               DEVICES[args.device].memory_bytes if args.device else None)
     found = []
+
+    def settings_for(sp: int) -> dict:
+        return dict(sp_size=sp, world_size=args.gpus or sp, stage=args.stage, precision=args.precision,
+                    micro_batch=args.micro_batch, optimizer=args.optimizer, offload_optimizer=args.offload_optimizer,
+                    reduce_bucket_size=args.reduce_bucket_size, reserved_bytes=int(args.reserved_gib * GIB),
+                    tiled_mlp=_tiles(args.tiled_mlp), tiled_loss=_tiles(args.tiled_loss),
+                    offload_checkpoints=args.offload_checkpoints, gradient_checkpointing=args.gradient_checkpointing)
+
     for sp in args.sp:
-        settings = dict(sp_size=sp, world_size=args.gpus or sp, stage=args.stage, precision=args.precision,
-                        micro_batch=args.micro_batch, optimizer=args.optimizer,
-                        offload_optimizer=args.offload_optimizer, reduce_bucket_size=args.reduce_bucket_size,
-                        reserved_bytes=int(args.reserved_gib * GIB), tiled_mlp=_tiles(args.tiled_mlp),
-                        tiled_loss=_tiles(args.tiled_loss), offload_checkpoints=args.offload_checkpoints,
-                        gradient_checkpointing=args.gradient_checkpointing)
+        settings = settings_for(sp)
         try:
             plan = plan_memory(config, args.seq_len, **settings)
         except ValueError as err:
@@ -116,6 +121,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"{verdict} in {budget / GIB:.1f} GiB per rank"
                       + (f"; longest sequence that fits: {entry['longest_seq_len']}" if args.longest else ""))
             print()
+    if args.plot:
+        from lightning_ulysses.plan.plot import plot_lengths, plot_peaks
+
+        def plan_of(sp: int, length: int):
+            return plan_memory(config, length, **settings_for(sp))
+
+        plot_peaks(plan_of, plot_lengths(args.seq_len, args.sp), args.sp, budget, args.plot,
+                   f"{getattr(config, 'model_type', 'model')}, ZeRO {args.stage}, {args.precision}")
+        if not args.json:
+            print(f"wrote {args.plot}")
     if args.json:
         json.dump(found, sys.stdout, indent=1, default=str)
         print()

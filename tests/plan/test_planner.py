@@ -73,6 +73,26 @@ def test_the_command_prints_the_plan_as_json(tmp_path, capsys):
     assert plans[1]["longest_seq_len"] > plans[0]["longest_seq_len"] > 4096
 
 
+def test_the_command_plots_the_peak_against_the_length(tmp_path, capsys):
+    """``--plot``: a line per sp over seq-len/8 .. seq-len x 4, the budget drawn; the points are the plans."""
+    pytest.importorskip("matplotlib")
+    from lightning_ulysses.plan.plot import plot_lengths, plot_peaks
+
+    path = tmp_path / "config.json"
+    path.write_text(CONFIG.to_json_string())
+    png = tmp_path / "peaks.png"
+    assert main(["--config", str(path), "--seq-len", "4096", "--sp", "1", "2", "--memory-gib", "1",
+                 "--plot", str(png)]) == 0
+    assert f"wrote {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lengths = plot_lengths(4096, [1, 2, 4])
+    assert lengths[0] == 512 and lengths[-1] == 16384 and all(n % 8 == 0 for n in lengths)
+    points = plot_peaks(lambda sp, n: plan_memory(CONFIG, n, sp_size=sp), lengths, [1, 2], 1 << 30,
+                        str(tmp_path / "again.png"))
+    assert [n for n, _ in points[1]] == lengths
+    assert all(b < a for (_, a), (_, b) in zip(points[1], points[2]))  # sp=2 below sp=1 at every length
+
+
 def test_the_preflight_check_stops_only_models_the_plan_was_measured_on():
     from transformers import AutoConfig, AutoModelForCausalLM
 
