@@ -78,15 +78,18 @@ ZERO3_BF16 = {**PAYLOAD, "seq_len": 2048, "stage": 3, "precision": "bf16-mixed",
 # A mixture of experts (Qwen3-MoE, transformers' fused experts: 8 of a quarter width, 2 per token), S = 2048, at sp 1
 # (in the sp=1 launch) and sp 2 (in the sp=2 launch)
 MOE = {**PAYLOAD, "seq_len": 2048, "moe": True}
+# A hybrid (Qwen3-Next: gated delta net and attention layers 3 : 1, fused experts), S = 2048, at sp 1 and 2
+HYBRID = {**PAYLOAD, "seq_len": 2048, "hybrid": True}
 
 
 @pytest.fixture(scope="module")
 def launched():
-    extra = {1: [{**MOE, "sp": 1}], 2: [ZERO3_BF16, {**MOE, "sp": 2}], 4: []}
+    extra = {1: [{**MOE, "sp": 1}, {**HYBRID, "sp": 1}], 2: [ZERO3_BF16, {**MOE, "sp": 2}, {**HYBRID, "sp": 2}], 4: []}
     found = {sp: launch(sp, "memory_per_rank:run", {"runs": [{**PAYLOAD, "sp": sp}] + extra[sp]}) for sp in (1, 2, 4)}
     return {"per_sp": {sp: [r["runs"][0] for r in ranks] for sp, ranks in found.items()},
             "zero3_bf16": [r["runs"][1] for r in found[2]],
-            "moe": {1: [r["runs"][1] for r in found[1]], 2: [r["runs"][2] for r in found[2]]}}
+            "moe": {1: [r["runs"][1] for r in found[1]], 2: [r["runs"][2] for r in found[2]]},
+            "hybrid": {1: [r["runs"][2] for r in found[1]], 2: [r["runs"][3] for r in found[2]]}}
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +133,10 @@ def _plan_config(payload):
         from tests.scenarios.memory_per_rank import moe_config
 
         return moe_config(payload)
+    if payload.get("hybrid"):
+        from tests.scenarios.memory_per_rank import hybrid_config
+
+        return hybrid_config(payload)
 
     hidden = payload["hidden"]
     return LlamaConfig(vocab_size=payload["vocab"], hidden_size=hidden, intermediate_size=4 * hidden,
@@ -162,6 +169,26 @@ def test_the_plan_predicts_what_each_rank_holds(per_sp, zero3_bf16, moe):
         assert abs(plan.step + plan.zero3_gathered - step) <= 0.02 * step, where
         assert abs(plan.states.total - states) <= 0.10 * states, where
         assert abs(plan.peak - (step + states)) <= 0.03 * (step + states), where
+
+
+@pytest.mark.multiprocess
+def test_the_plan_of_a_hybrid_is_within_five_percent(launched):
+    """A Qwen3-Next (gated delta nets with transformers' torch fallback, attention, fused experts) at sp 1 and 2: the
+    plan traces the mixer layers over the rank's shard with every head, where the run exchanges their channels to
+    the whole sequence with 1/sp of the heads (the same elements; the exchange's buffers are not added): measured
+    step -2.3% / -3.0%, peak -2.0% / -2.6%; pinned within 5% (docs/planning.md)."""
+    from lightning_ulysses.plan import plan_memory
+
+    for sp, ranks in launched["hybrid"].items():
+        payload = {**HYBRID, "sp": sp}
+        plan = plan_memory(_plan_config(payload), payload["seq_len"], sp_size=sp, stage=2, precision="32-true",
+                           optimizer="sgd", reduce_bucket_size=payload["bucket"])
+        step, states = max(r["peak"] for r in ranks), max(r["persistent"] for r in ranks)
+        where = (sp, plan.step, step, plan.states.total, states)
+        assert abs(plan.step - step) <= 0.05 * step, where
+        assert abs(plan.states.total - states) <= 0.10 * states, where
+        assert abs(plan.peak - (step + states)) <= 0.05 * (step + states), where
+        assert ranks[0]["losses"] == pytest.approx(launched["hybrid"][1][0]["losses"], rel=1e-5)  # sp does not matter
 
 
 def test_meta_tensors_are_counted_as_real_ones():

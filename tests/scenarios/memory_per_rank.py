@@ -28,10 +28,11 @@ def _fit(payload: dict) -> dict:
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            if payload.get("moe"):
+            if payload.get("moe") or payload.get("hybrid"):
                 from transformers import AutoModelForCausalLM
 
-                self.model = AutoModelForCausalLM.from_config(moe_config(payload), attn_implementation="sdpa")
+                config = hybrid_config(payload) if payload.get("hybrid") else moe_config(payload)
+                self.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
             else:
                 self.model = LlamaForCausalLM(LlamaConfig(
                     vocab_size=payload["vocab"], hidden_size=hidden, intermediate_size=4 * hidden,
@@ -81,6 +82,20 @@ def moe_config(payload: dict):
                           moe_intermediate_size=hidden, num_hidden_layers=payload["layers"], num_attention_heads=8,
                           num_key_value_heads=8, head_dim=hidden // 8, num_experts=8, num_experts_per_tok=2,
                           max_position_embeddings=payload["seq_len"], pad_token_id=0)
+
+
+def hybrid_config(payload: dict):
+    """A Qwen3-Next of the payload's width (gated delta net layers and full attention layers, 3 : 1, fused experts):
+    4 layers, 8 heads of 32 for both kinds."""
+    from transformers import AutoConfig
+
+    hidden = payload["hidden"]
+    return AutoConfig.for_model(
+        "qwen3_next", vocab_size=payload["vocab"], hidden_size=hidden, intermediate_size=4 * hidden,
+        moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8, head_dim=hidden // 8, linear_num_key_heads=8,
+        linear_num_value_heads=8, linear_key_head_dim=hidden // 8, linear_value_head_dim=hidden // 8, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=payload["seq_len"], pad_token_id=0)
 
 
 def _live_tensor_bytes() -> int:
