@@ -152,14 +152,13 @@ class SequenceParallelFrontEnd:
         budget = auto_plan.smallest_over_ranks(budget, self.root_device)
         if budget is None:
             raise ValueError(auto_plan.budget_error())
-        zero = (self.config or {}).get("zero_optimization", {})
-        offload = zero.get("offload_optimizer") or {}
+        zero = self._zero_settings()
         micro_batch = (self.config or {}).get("train_micro_batch_size_per_gpu", 1)
         settings = auto_plan.AutoSettings(
             sequence_length=int(self.settings.sequence_length), devices_per_node=self.num_processes,
             nodes=self.num_nodes, budget_bytes=int(budget), precision=self._planned_precision(),
             stage=int(zero.get("stage", 0)), memory_switches=self.memory_features.any,
-            offload_optimizer=isinstance(offload, dict) and offload.get("device", "none") != "none",
+            offload_optimizer=self._offloads_optimizer(),
             micro_batch=micro_batch if isinstance(micro_batch, int) else 1,
             device_name=torch.cuda.get_device_name(self.root_device) if self.root_device.type == "cuda" else "")
         choice = auto_plan.choose_sp_size(auto_plan.planned_model_config(module), settings)
@@ -167,6 +166,14 @@ class SequenceParallelFrontEnd:
         self._build_layout(choice.sp_size)
         self.auto_choice = choice
         rank_zero_info(auto_plan.describe(choice, settings))
+
+    def _zero_settings(self) -> Mapping[str, Any]:
+        """The DeepSpeed config's ``zero_optimization`` section (empty without one)."""
+        return (self.config or {}).get("zero_optimization", {})
+
+    def _offloads_optimizer(self) -> bool:
+        offload = self._zero_settings().get("offload_optimizer") or {}
+        return isinstance(offload, dict) and offload.get("device", "none") != "none"
 
     def _planned_precision(self) -> str:
         """Lightning's precision setting of the run, as the planner names it."""
@@ -228,13 +235,12 @@ class SequenceParallelFrontEnd:
 
     def _preflight_settings(self, model: Module) -> "preflight_check.PreflightSettings":
         """What the plan needs besides the model and the batch, from the layout and the final DeepSpeed config."""
-        zero = (self.config or {}).get("zero_optimization", {})
-        offload = zero.get("offload_optimizer") or {}
+        zero = self._zero_settings()
         return preflight_check.PreflightSettings(
             sp_size=self.layout.sp_size, world_size=self.world_size, stage=int(zero.get("stage", 0)),
             precision=preflight_check.precision_of(model),
             optimizer=preflight_check.optimizer_kind(getattr(self.model, "optimizer", None)),
-            offload_optimizer=isinstance(offload, dict) and offload.get("device", "none") != "none",
+            offload_optimizer=self._offloads_optimizer(),
             reduce_bucket_size=int(zero.get("reduce_bucket_size", 200_000_000)),
             persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 100_000)))
 

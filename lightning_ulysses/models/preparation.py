@@ -9,7 +9,7 @@ so that closing the stack in teardown gives every model back as it was.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -35,7 +35,7 @@ class PreparedModels:
         self.litgpt: list[Module] = []  # LitGPT GPTs
         self.form_check_roots: list[Module] = []  # own models the model-form check runs
         self._found: dict[str, list[Module]] = {}  # every prepared model by its adapter's kind
-        self._root: Optional[Module] = None  # the LightningModule (or Fabric's module) prepared
+        self._named_parameters: list[tuple[str, torch.nn.Parameter]] = []  # the prepared module's, in its order
 
     def prepare(self, lightning_module: Module, context: StepContext, patches: PatchStack, *,
                 attention_modules: Sequence[ModuleSelector], ring_size: int, device_type: str,
@@ -78,7 +78,7 @@ class PreparedModels:
             for model in found[adapter.kind]:
                 adapter.prepare(model, context, patches, settings)
         self._found = found
-        self._root = lightning_module
+        self._named_parameters = list(lightning_module.named_parameters())  # once: read before every backward
         self.hf_models, self.cores, self.own_roots, self.litgpt = (found["hf"], found["cores"], found["own_roots"],
                                                                    found["litgpt"])
         self.form_check_roots = form_check.own_model_roots(lightning_module, self.cores, models, self.own_roots)
@@ -86,12 +86,12 @@ class PreparedModels:
 
     def _forget(self) -> None:
         self._found = {}
-        self._root = None
+        self._named_parameters = []
         self.hf_models, self.cores, self.own_roots, self.litgpt, self.form_check_roots = [], [], [], [], []
 
     def trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The prepared module's named parameters (every one; callers filter ``requires_grad``), in its order."""
-        return list(self._root.named_parameters()) if self._root is not None else []
+        return self._named_parameters
 
     def _prepared(self) -> list[tuple[ModelAdapter, Module]]:
         return [(adapter, model) for adapter in ADAPTERS for model in self._found.get(adapter.kind, [])]
