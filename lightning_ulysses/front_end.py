@@ -242,7 +242,8 @@ class SequenceParallelFrontEnd:
             optimizer=preflight_check.optimizer_kind(getattr(self.model, "optimizer", None)),
             offload_optimizer=self._offloads_optimizer(),
             reduce_bucket_size=int(zero.get("reduce_bucket_size", 200_000_000)),
-            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 100_000)))
+            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 100_000)),
+            prefetch_bucket_size=int(zero.get("stage3_prefetch_bucket_size", 50_000_000)))
 
     def _any_rank(self, over: bool) -> bool:
         flag = torch.tensor([int(over)], device=self.root_device)

@@ -57,6 +57,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd_momentum"))
     parser.add_argument("--offload-optimizer", action="store_true")
+    parser.add_argument("--offload-parameters", action="store_true",
+                        help="ZeRO 3's offload_param to the CPU (modeled, not measured)")
+    parser.add_argument("--ring", type=int, default=1, help="the strategy's ring_size (divides each --sp)")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--reduce-bucket-size", type=int, default=200_000_000)
     parser.add_argument("--reserved-gib", type=float, default=0.0,
@@ -88,7 +91,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     micro_batch=args.micro_batch, optimizer=args.optimizer, offload_optimizer=args.offload_optimizer,
                     reduce_bucket_size=args.reduce_bucket_size, reserved_bytes=int(args.reserved_gib * GIB),
                     tiled_mlp=_tiles(args.tiled_mlp), tiled_loss=_tiles(args.tiled_loss),
-                    offload_checkpoints=args.offload_checkpoints, gradient_checkpointing=args.gradient_checkpointing)
+                    offload_checkpoints=args.offload_checkpoints, gradient_checkpointing=args.gradient_checkpointing,
+                    ring_size=args.ring, offload_parameters=args.offload_parameters)
 
     for sp in args.sp:
         settings = settings_for(sp)
@@ -102,6 +106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             entry["step_cost"] = asdict(step_cost(config, args.seq_len, sp_size=sp, world_size=args.gpus or sp,
                                                   stage=args.stage, precision=args.precision,
                                                   micro_batch=args.micro_batch, parameters=plan.parameters,
+                                                  ring_size=args.ring,
                                                   recompute=args.offload_checkpoints or args.gradient_checkpointing))
         except ValueError as err:
             entry["step_cost"] = str(err)
@@ -114,8 +119,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(plan.table())
             if isinstance(entry["step_cost"], dict):
                 cost = entry["step_cost"]
+                ring = (f", {cost['ring_bytes'] / GIB:.2f} GiB in the ring's passes" if cost["ring_bytes"] else "")
                 print(f"step per rank: {cost['flops'] / 1e12:.1f} TFLOPs, sends {cost['all_to_all_bytes'] / GIB:.2f}"
-                      f" GiB in the all-to-alls and {cost['zero_bytes'] / GIB:.2f} GiB in ZeRO's collectives")
+                      f" GiB in the all-to-alls{ring} and {cost['zero_bytes'] / GIB:.2f} GiB in ZeRO's collectives")
             if budget is not None:
                 verdict = "fits" if plan.peak <= budget else "does NOT fit"
                 print(f"{verdict} in {budget / GIB:.1f} GiB per rank"

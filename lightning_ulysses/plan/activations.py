@@ -69,12 +69,83 @@ def _shape_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     return _FlashShapes.apply(query, key, value, sp).transpose(1, 2), None
 
 
-def _register(sp: int) -> str:
+class _ExchangeShapes(torch.autograd.Function):
+    """The Ulysses all-to-all's memory, shapes only: ``[B, h, s, D]`` (every head of the shard) -> ``[B, h/u, s·u,
+    D]`` (the ring rank's tokens for this rank's heads), new tensors, and back in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: int):  # type: ignore[override]
+        ctx.shapes = [t.shape for t in (q, k, v)]
+        return tuple(t.new_empty((t.shape[0], max(t.shape[1] // u, 1), t.shape[2] * u, t.shape[3]))
+                     for t in (q, k, v))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        return (*(grads[0].new_empty(shape) for shape in ctx.shapes), None)
+
+
+class _ExchangeBackShapes(torch.autograd.Function):
+    """The all-to-all back to sequence shards, shapes only: ``[B, s·u, h/u, D]`` -> ``[B, s, h, D]``."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, u: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.shape = out.shape
+        B, L, h, D = out.shape
+        return out.new_empty((B, L // u, h * u, D))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad.new_empty(ctx.shape), None
+
+
+def _ring_shape_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: Optional[torch.Tensor], sp: int = 1, ring: int = 1,
+                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Ulysses × ring attention as the strategy runs it, on the meta device: the exchange among the ``u = sp / ring``
+    Ulysses ranks (shapes), then the strategy's own ring attention (:mod:`lightning_ulysses.parallel.ring`) as ring
+    rank 0 of ``ring`` runs it, its passes replaced by the receive buffers they allocate and its block kernel by the
+    fused one (CPU's flash op; CUDA's memory-efficient op keeps the same tensors), then the exchange back."""
+    from lightning_ulysses.parallel.ring import ring_attention
+
+    u = sp // ring
+    q, k, v = _ExchangeShapes.apply(query, key, value, u) if u > 1 else (query, key, value)  # [B, h/u, S/R, D]
+    out = ring_attention(module, q, k, v, None, None, kwargs)  # [B, S/R, hq/u, D]
+    if u > 1:
+        out = _ExchangeBackShapes.apply(out, u)  # [B, s, Hq, D]
+    return out.contiguous(), None  # the strategy's contiguous copy of the exchanged (transposed) output
+
+
+@contextlib.contextmanager
+def _ring_on_meta(ring: int) -> Iterator[None]:
+    """The ring's collectives and kernel choice for a trace: ``ring`` ranks, this one rank 0, each pass a receive
+    buffer per block (what :func:`~lightning_ulysses.parallel.ring._start_pass` allocates), the fused block kernel."""
+    from lightning_ulysses.parallel import ring as ring_module
+
+    names = ("group_size", "group_rank", "_start_pass", "block_kernel")
+    saved = {name: getattr(ring_module, name) for name in names}
+    ring_module.group_size = lambda group=None: ring
+    ring_module.group_rank = lambda group=None: 0
+    ring_module._start_pass = lambda tensors, group: (
+        [], [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors])
+    ring_module.block_kernel = lambda q, v=None: "matmul" if v is not None and v.shape[-1] != q.shape[-1] else (
+        "cpu_flash")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(ring_module, name, value)
+
+
+def _register(sp: int, ring: int = 1) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
-    name = f"{SHAPE_ATTENTION}_sp{sp}"
-    AttentionInterface.register(name, functools.partial(_shape_attention, sp=sp))
+    if ring > 1:
+        name = f"{SHAPE_ATTENTION}_sp{sp}_ring{ring}"
+        AttentionInterface.register(name, functools.partial(_ring_shape_attention, sp=sp, ring=ring))
+    else:
+        name = f"{SHAPE_ATTENTION}_sp{sp}"
+        AttentionInterface.register(name, functools.partial(_shape_attention, sp=sp))
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, flash_attention_mask)  # no 4-D mask, as flash
     return name
 
@@ -131,6 +202,7 @@ class TracedStep:
     numels: tuple[int, ...] = ()  # every parameter's element count
     largest_layer: int = 0  # parameters of the largest block of the model's longest ModuleList (its layers)
     host: int = 0  # host bytes the offloaded checkpoints held at most
+    module_numels: tuple[tuple[int, ...], ...] = ()  # each module's own parameters' element counts, in model order
 
 
 @contextlib.contextmanager
@@ -167,7 +239,7 @@ def _offload_shapes(host: list[int]) -> Iterator[None]:
 def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32, sp: int = 1,
                gradient_buffer_bytes: int = 0, gradients_leave: bool = False, tiled_mlp: Any = 0,
                tiled_loss: Any = 0, offload_checkpoints: bool = False,
-               gradient_checkpointing: bool = False) -> TracedStep:
+               gradient_checkpointing: bool = False, ring: int = 1) -> TracedStep:
     """Count one forward and backward pass of a Hugging Face causal LM built from ``config`` over one rank's
     ``[batch_size, tokens]`` shard in ``dtype``, on the meta device, with the exchange of ``sp`` ranks around
     attention. ``gradient_buffer_bytes``: what the ZeRO optimizer allocates when the first gradient arrives and keeps
@@ -175,12 +247,13 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
     soon as it is complete (ZeRO copies it into its buckets and drops it). ``tiled_mlp``, ``tiled_loss``,
     ``offload_checkpoints``: the strategy's memory switches, applied by the strategy's own code (the offload as on an
     accelerator: checkpoints in host memory); ``gradient_checkpointing``: the model's own activation checkpointing
-    (``gradient_checkpointing_enable()``)."""
+    (``gradient_checkpointing_enable()``); ``ring``: the strategy's ``ring_size`` (``sp`` ranks of which ``sp / ring``
+    exchange heads, attention over the ring run by the strategy's own ring code)."""
     from transformers import AutoModelForCausalLM
 
     from lightning_ulysses.models import memory
 
-    name = _register(sp)
+    name = _register(sp, ring)
     config = copy.deepcopy(config)
     config.use_cache = False
     with torch.device("meta"):
@@ -203,7 +276,8 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
     hooks = [p.register_post_accumulate_grad_hook(first_gradient) for p in model.parameters() if p.requires_grad]
     targets = {"shift_labels": ids} if tiled_loss else {"labels": ids}
     try:
-        with _no_value_reads(), _grouped_experts_on_meta(), _offload_shapes(host), TensorMemoryTracker() as tracker:
+        with _no_value_reads(), _grouped_experts_on_meta(), _offload_shapes(host), _ring_on_meta(ring), \
+                TensorMemoryTracker() as tracker:
             model(input_ids=ids, **targets).loss.backward()
     finally:
         for hook in hooks:
@@ -216,4 +290,17 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
                       sum(p.numel() for p in model.parameters() if p.requires_grad),
                       tuple(p.numel() for p in model.parameters()),
                       max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
-                      host[0])
+                      host[0], _module_numels(model))
+
+
+def _module_numels(model: torch.nn.Module) -> tuple[tuple[int, ...], ...]:
+    """Each module's own parameters' element counts (a tied weight once), in registration order: the order ZeRO 3
+    gathers them in the forward pass (reversed in backward)."""
+    seen: set[int] = set()
+    found = []
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if own:
+            found.append(tuple(p.numel() for p in own))
+    return tuple(found)

@@ -10,7 +10,10 @@ evenly: each of its ``sp`` ranks runs the matmuls of ``S/sp`` tokens and attenti
 
 Bytes sent per rank and step: Ulysses's all-to-alls, forward and backward, ``2 · B·(S/sp)·(2·Hq + 2·Hkv)·D`` elements
 per layer, of which ``(sp - 1)/sp`` leave the rank; ZeRO's gradient reduce-scatter and parameter all-gather over all
-``W`` ranks, ``2 · N_all · (W - 1)/W`` elements (ZeRO 3: ``3 ·``, the parameters gathered for backward too).
+``W`` ranks, ``2 · N_all · (W - 1)/W`` elements (ZeRO 3: ``3 ·``, the parameters gathered for backward too). With
+``ring_size = R`` the all-to-alls run among ``U = sp/R`` ranks, and ring attention passes each rank's K/V block
+(``2 · B·(S/R)·(Hkv/U)·D`` elements) ``R - 1`` times forward and again backward, and the block's float32 key/value
+gradients ``R`` times.
 
 The step-time estimate is compute at ``efficiency`` of the device's dense bf16 rate, plus the all-to-alls at the link
 of the SP group (inside a node while ``sp`` divides the devices per node), plus ZeRO's traffic at the slowest link of
@@ -37,6 +40,7 @@ class StepCost:
     flops: float  # per rank
     all_to_all_bytes: float  # sent per rank (Ulysses's exchanges, forward and backward)
     zero_bytes: float  # sent per rank (ZeRO's gradient and parameter collectives)
+    ring_bytes: float = 0.0  # sent per rank (ring attention's K/V blocks and their gradients, ring_size > 1)
 
 
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -101,22 +105,25 @@ def _active_matmul_parameters(config: Any) -> int:
 
 def step_cost(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Optional[int] = None, stage: int = 2,
               precision: str = "bf16-mixed", micro_batch: int = 1, attention_fraction: float = 0.5,
-              recompute: bool = False, parameters: Optional[int] = None) -> StepCost:
+              recompute: bool = False, parameters: Optional[int] = None, ring_size: int = 1) -> StepCost:
     """One rank's FLOPs and bytes sent in a training step (module docstring). ``recompute``: the layers' forward runs
     again in backward (activation checkpointing, the strategy's ``offload_checkpoints``); ``parameters``: every
-    trainable weight (ZeRO's traffic; default: the matmul weights plus the embedding)."""
+    trainable weight (ZeRO's traffic; default: the matmul weights plus the embedding); ``ring_size``: the strategy's."""
     world_size = world_size or sp_size
-    _validate(config, seq_len, sp_size, world_size)
+    _validate(config, seq_len, sp_size, world_size, ring_size)
     h, layers, hq, hkv, d, inter, vocab = _sizes(config)
     tokens = micro_batch * seq_len
     dense = (6 + (2 if recompute else 0)) * matmul_parameters(config) * tokens
     attention = (12 + (4 if recompute else 0)) * micro_batch * hq * d * seq_len ** 2 * layers * attention_fraction
     element = PRECISIONS[precision].itemsize
     shard = micro_batch * -(-seq_len // sp_size)
-    all_to_all = 2 * shard * (2 * hq + 2 * hkv) * d * layers * (sp_size - 1) / sp_size * element
+    ulysses = sp_size // ring_size
+    all_to_all = 2 * shard * (2 * hq + 2 * hkv) * d * layers * (ulysses - 1) / ulysses * element
+    block = 2 * micro_batch * -(-seq_len // ring_size) * max(hkv / ulysses, 1) * d  # a K/V block's elements
+    ring = (ring_size - 1) * 2 * block * element + ring_size * block * 4 if ring_size > 1 else 0.0
     total = parameters if parameters is not None else matmul_parameters(config) + h * vocab
     zero = (3 if stage == 3 else 2) * total * (world_size - 1) / world_size * element if world_size > 1 else 0.0
-    return StepCost((dense + attention) / sp_size, all_to_all, zero)
+    return StepCost((dense + attention) / sp_size, all_to_all, zero, ring * layers)
 
 
 def step_seconds(cost: StepCost, device: Device, *, sp_size: int, devices_per_node: int, nodes: int = 1,
@@ -126,7 +133,7 @@ def step_seconds(cost: StepCost, device: Device, *, sp_size: int, devices_per_no
     intra, inter = links or LINKS.get(_device_key(device), (450e9, 50e9))
     sp_link = intra if devices_per_node % sp_size == 0 else inter
     zero_link = inter if nodes > 1 else intra
-    return (cost.flops / (device.bf16_flops * efficiency) + cost.all_to_all_bytes / sp_link
+    return (cost.flops / (device.bf16_flops * efficiency) + (cost.all_to_all_bytes + cost.ring_bytes) / sp_link
             + cost.zero_bytes / zero_link)
 
 

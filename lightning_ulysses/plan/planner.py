@@ -66,6 +66,7 @@ class MemoryPlan:
     reserved: int = 0
     parameters: int = 0
     host_checkpoints: int = 0  # host bytes per rank the offloaded checkpoints hold at most (offload_checkpoints)
+    ring_size: int = 1
 
     @property
     def peak(self) -> int:
@@ -86,13 +87,14 @@ class MemoryPlan:
         return rows
 
     def table(self) -> str:
-        head = (f"S={self.seq_len}, sp={self.sp_size}, {self.world_size} ranks, ZeRO {self.stage}, {self.precision},"
+        ring = f" (ring {self.ring_size})" if self.ring_size > 1 else ""
+        head = (f"S={self.seq_len}, sp={self.sp_size}{ring}, {self.world_size} ranks, ZeRO {self.stage}, {self.precision},"
                 f" micro-batch {self.micro_batch}, {self.parameters / 1e9:.2f} B parameters")
         lines = [head, "| part | GiB per rank |", "|---|---|"]
         lines += [f"| {name} | {size / GIB:.2f} |" for name, size in self.parts()]
         lines.append(f"| **peak** | **{self.peak / GIB:.2f}** |")
         if self.states.host or self.host_checkpoints:
-            lines.append(f"(host memory per rank: {self.states.host / GIB:.2f} GiB for the offloaded optimizer,"
+            lines.append(f"(host memory per rank: {self.states.host / GIB:.2f} GiB for the offloaded states,"
                          f" {self.host_checkpoints / GIB:.2f} GiB for the offloaded checkpoints)")
         return "\n".join(lines)
 
@@ -102,18 +104,23 @@ class MemoryPlan:
         return found
 
 
-def _validate(config: Any, seq_len: int, sp_size: int, world_size: int) -> None:
-    if seq_len < 1 or sp_size < 1 or world_size < 1:
-        raise ValueError("seq_len, sp_size and world_size must be positive.")
+def _validate(config: Any, seq_len: int, sp_size: int, world_size: int, ring_size: int = 1) -> None:
+    if seq_len < 1 or sp_size < 1 or world_size < 1 or ring_size < 1:
+        raise ValueError("seq_len, sp_size, world_size and ring_size must be positive.")
     if world_size % sp_size:
         raise ValueError(f"world_size {world_size} is not a multiple of sp_size {sp_size}.")
+    if sp_size % ring_size:
+        raise ValueError(f"sp_size {sp_size} is not a multiple of ring_size {ring_size}.")
+    ulysses = sp_size // ring_size
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads and heads % sp_size:
-        raise ValueError(f"{heads} attention heads do not split over sp_size={sp_size} Ulysses ranks: choose an"
-                         " sp_size that divides the heads (past that, the strategy's ring_size).")
-    if kv_heads and sp_size > kv_heads and sp_size % kv_heads:
-        raise ValueError(f"{kv_heads} KV heads: sp_size={sp_size} must divide them or be a multiple of them.")
+    if heads and heads % ulysses:
+        raise ValueError(f"{heads} attention heads do not split over {ulysses} Ulysses ranks (sp_size={sp_size},"
+                         f" ring_size={ring_size}): choose a Ulysses size (sp_size / ring_size) that divides the"
+                         " heads (past that, a larger ring_size).")
+    if kv_heads and ulysses > kv_heads and ulysses % kv_heads:
+        raise ValueError(f"{kv_heads} KV heads: sp_size / ring_size = {ulysses} must divide them or be a multiple"
+                         " of them.")
 
 
 def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Optional[int] = None, stage: int = 2,
@@ -121,7 +128,8 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
                 offload_optimizer: bool = False, reduce_bucket_size: int = 200_000_000,
                 persistence_threshold: int = 100_000, reserved_bytes: int = 0, tiled_mlp: Any = 0,
                 tiled_loss: Any = 0, offload_checkpoints: bool = False,
-                gradient_checkpointing: bool = False) -> MemoryPlan:
+                gradient_checkpointing: bool = False, ring_size: int = 1,
+                offload_parameters: bool = False, prefetch_bucket_size: int = 50_000_000) -> MemoryPlan:
     """Predict one rank's peak memory for training a Hugging Face causal LM built from ``config`` (a
     ``PretrainedConfig``) on rows of ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size,
     stage=stage)`` on ``world_size`` ranks (default: ``sp_size``). ``precision``: Lightning's (``"bf16-mixed"`` and
@@ -129,20 +137,26 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
     ``"sgd_momentum"``; ``reduce_bucket_size``: DeepSpeed's (Lightning's default 2e8 elements). Attention is counted
     as a flash kernel keeps it (no ``[S, S]`` scores). ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints``: the
     strategy's memory switches (run by the strategy's own code in the trace; the offload as on an accelerator);
-    ``gradient_checkpointing``: the model's ``gradient_checkpointing_enable()``. About a second for an 8B model."""
+    ``gradient_checkpointing``: the model's ``gradient_checkpointing_enable()``; ``ring_size``: the strategy's (hybrid
+    Ulysses × ring: the strategy's own ring attention runs in the trace); ``offload_parameters``: ZeRO 3's
+    ``offload_param`` to the CPU (the partitioned parameters in host memory; modeled, not measured);
+    ``prefetch_bucket_size``: ZeRO 3's ``stage3_prefetch_bucket_size`` (DeepSpeed's default 5e7 elements). About a
+    second for an 8B model."""
     world_size = world_size or sp_size
-    _validate(config, seq_len, sp_size, world_size)
+    _validate(config, seq_len, sp_size, world_size, ring_size)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not {precision!r}.")
     dtype = PRECISIONS[precision]
     param_bytes = torch.finfo(dtype).bits // 8
-    shard = math.ceil(seq_len / sp_size)  # the strategy pads rows to a multiple of sp_size
+    pad = sp_size if ring_size == 1 else 2 * sp_size  # rows padded to a multiple of sp (2·sp: the ring's zigzag)
+    shard = math.ceil(seq_len / pad) * pad // sp_size
     buckets = 2 * reduce_bucket_size * param_bytes if stage in (1, 2) else 0  # ZeRO 1/2: two, from the first gradient
     traced = trace_step(config, shard, micro_batch, dtype, sp_size, gradient_buffer_bytes=buckets,
                         gradients_leave=stage >= 1, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
-                        offload_checkpoints=offload_checkpoints, gradient_checkpointing=gradient_checkpointing)
+                        offload_checkpoints=offload_checkpoints, gradient_checkpointing=gradient_checkpointing,
+                        ring=ring_size)
     states = model_states(traced.numels, traced.trainable, world_size, stage, param_bytes, optimizer,
-                          offload_optimizer, persistence_threshold, reduce_bucket_size)
+                          offload_optimizer, persistence_threshold, reduce_bucket_size, offload_parameters)
     step, by_kind = traced.peak, dict(traced.by_kind)
     if stage in (1, 2):
         # ZeRO 1/2's optimizer step, after the backward pass (deepspeed/runtime/zero/stage_1_and_2.py, step()): the
@@ -152,12 +166,35 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
         optimizer_phase = buckets + 2 * partition * param_bytes + (4 * partition if param_bytes != 4 else 0)
         if optimizer_phase > step:
             step, by_kind = optimizer_phase, {"optimizer step (ZeRO gradient partitions, buckets)": optimizer_phase}
-    # ZeRO 3 gathers each layer's parameters for its forward and backward while it prefetches the next layer's:
-    # modeled as two layers' parameters (on a 2-layer model at fp32 and bf16 the step with this part was within 1.2%
-    # of the measured one)
-    gathered = 2 * traced.largest_layer * param_bytes if stage == 3 else 0
+    gathered = (zero3_gathered_elements(traced.module_numels, persistence_threshold, prefetch_bucket_size)
+                * param_bytes if stage == 3 else 0)
     return MemoryPlan(seq_len, sp_size, world_size, stage, precision, micro_batch, states, step, by_kind, gathered,
-                      reserved_bytes, traced.parameters, traced.host)
+                      reserved_bytes, traced.parameters, traced.host, ring_size)
+
+
+def zero3_gathered_elements(module_numels: tuple[tuple[int, ...], ...], persistence_threshold: int,
+                            prefetch_bucket_size: int, max_live_parameters: int = 1_000_000_000) -> int:
+    """The most parameter elements ZeRO 3 holds gathered at once: a module's own partitioned parameters (those at or
+    over ``persistence_threshold`` elements; the others stay whole on every rank, counted with the states) while it
+    runs, plus the parameters it prefetches for the modules after it, in the order of the pass (forward: the model's
+    order; backward: reversed), one parameter at a time until ``prefetch_bucket_size`` elements are in flight
+    (``deepspeed/runtime/zero/partitioned_param_coordinator.py``, ``fetch_sub_module``). On a small model the whole
+    model is in flight; on an 8B one, the LM head (or embedding) and a layer's worth of prefetched weights."""
+    modules = [m for m in ([n for n in numels if n >= persistence_threshold] for numels in module_numels) if m]
+    worst = 0
+    for ordered in (modules, modules[::-1]):
+        flat = [n for m in ordered for n in m]  # the parameters in the order the pass fetches them
+        position = 0
+        for m in ordered:
+            current = sum(m)
+            position += len(m)
+            limit = min(prefetch_bucket_size, max_live_parameters - current)
+            fetched, j = 0, position
+            while j < len(flat) and fetched < limit:
+                fetched += flat[j]
+                j += 1
+            worst = max(worst, current + fetched)
+    return worst
 
 
 def longest_sequence(config: Any, budget_bytes: int, *, multiple: int = 1024, max_len: int = 1 << 24,

@@ -38,6 +38,7 @@ class PreflightSettings:
     offload_optimizer: bool
     reduce_bucket_size: int
     persistence_threshold: int
+    prefetch_bucket_size: int = 50_000_000  # ZeRO 3's stage3_prefetch_bucket_size
 
 
 def optimizer_kind(optimizer: Any) -> str:
@@ -93,7 +94,8 @@ def _changes_that_fit(config: Any, seq_len: int, batch_size: int, settings: Pref
     base = dict(sp_size=settings.sp_size, world_size=settings.world_size, stage=settings.stage,
                 precision=settings.precision, micro_batch=batch_size, optimizer=settings.optimizer,
                 offload_optimizer=settings.offload_optimizer, reduce_bucket_size=settings.reduce_bucket_size,
-                persistence_threshold=settings.persistence_threshold)
+                persistence_threshold=settings.persistence_threshold,
+                prefetch_bucket_size=settings.prefetch_bucket_size)
     candidates = []
     sp = settings.sp_size * 2
     while sp <= settings.world_size:
@@ -130,7 +132,8 @@ def check_first_step(config: Any, seq_len: int, batch_size: int, settings: Prefl
                        stage=settings.stage, precision=settings.precision, micro_batch=batch_size,
                        optimizer=settings.optimizer, offload_optimizer=settings.offload_optimizer,
                        reduce_bucket_size=settings.reduce_bucket_size,
-                       persistence_threshold=settings.persistence_threshold)
+                       persistence_threshold=settings.persistence_threshold,
+                       prefetch_bucket_size=settings.prefetch_bucket_size)
     if not agree(plan.peak > budget):
         return plan
     fits = _changes_that_fit(config, seq_len, batch_size, settings, budget, plan_memory)

@@ -20,7 +20,9 @@ At ZeRO 1 and 2 DeepSpeed keeps a float32 partition of the weights between steps
 its float32 gradient partition exists only from the end of the backward pass to the optimizer step, after the
 step's peak (measured: tests/profiling/test_tensor_memory.py, docs/planning.md). Stage 0 is not measured yet.
 SGD keeps no state, SGD with momentum ``4 N / W``. ``offload_optimizer`` moves the float32 copies and the optimizer
-states to host memory.
+states to host memory; ``offload_parameters`` (ZeRO 3's ``offload_param``) moves the partitioned parameters (those
+over the persistence threshold) there too: the device keeps the persistent ones and the layers gathered in flight
+(modeled from DeepSpeed's design, not measured: on a CPU the host is the device).
 """
 
 from __future__ import annotations
@@ -49,10 +51,12 @@ class ModelStates:
 
 def model_states(numels: tuple[int, ...], trainable: int, world_size: int, stage: int, param_bytes: int,
                  optimizer: str = "adamw", offload_optimizer: bool = False, persistence_threshold: int = 100_000,
-                 reduce_bucket_size: int = 200_000_000) -> ModelStates:
+                 reduce_bucket_size: int = 200_000_000, offload_parameters: bool = False) -> ModelStates:
     """``numels``: every parameter's element count; ``trainable``: how many of them train; ``param_bytes``: 4
     (float32) or 2 (bf16/fp16); ``persistence_threshold``: ZeRO 3's ``stage3_param_persistence_threshold``
-    (Lightning's default 1e5)."""
+    (Lightning's default 1e5); ``offload_parameters``: ZeRO 3's parameter offload (stage 3 only)."""
+    if offload_parameters and stage != 3:
+        raise ValueError("offload_parameters is ZeRO 3's offload_param: it needs stage=3.")
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_BYTES)}, not {optimizer!r}.")
     if stage not in (0, 1, 2, 3):
@@ -69,6 +73,10 @@ def model_states(numels: tuple[int, ...], trainable: int, world_size: int, stage
         weights = parameters * param_bytes
         copies = 4 * trainable // share if (stage > 0 or param_bytes != 4) else 0
     states = OPTIMIZER_BYTES[optimizer] * trainable // share
+    host = 0
+    if offload_parameters:
+        partitioned = weights - whole * param_bytes
+        weights, host = weights - partitioned, partitioned
     if offload_optimizer:
-        return ModelStates(weights, 0, 0, host=copies + states, buffers=buffers)
-    return ModelStates(weights, copies, states, buffers=buffers)
+        return ModelStates(weights, 0, 0, host=host + copies + states, buffers=buffers)
+    return ModelStates(weights, copies, states, host=host, buffers=buffers)

@@ -100,7 +100,7 @@ def test_the_command_gives_each_plans_cost_and_a_recommendation(tmp_path, capsys
     assert plan["step_cost"] == {"flops": step_cost(CONFIG, 4096, sp_size=2, world_size=4,
                                                      parameters=plan["parameters"]).flops,
                                  "all_to_all_bytes": plan["step_cost"]["all_to_all_bytes"],
-                                 "zero_bytes": plan["step_cost"]["zero_bytes"]}
+                                 "zero_bytes": plan["step_cost"]["zero_bytes"], "ring_bytes": 0.0}
     assert plan["step_cost"]["all_to_all_bytes"] > 0 and plan["step_cost"]["zero_bytes"] > 0
     assert main(["--config", str(path), "--seq-len", "4096", "--device", "h100", "--gpus-per-node", "2",
                  "--recommend", "--json"]) == 0

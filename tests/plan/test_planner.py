@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_ulysses import TensorMemoryTracker
 from lightning_ulysses.plan import longest_sequence, plan_memory
+from lightning_ulysses.plan.planner import zero3_gathered_elements
 from lightning_ulysses.plan.__main__ import main
 from lightning_ulysses.plan.activations import trace_step
 
@@ -43,8 +44,15 @@ def test_sequence_parallelism_divides_the_step_and_not_the_replicated_states():
 
 
 def test_bad_settings_are_refused_naming_the_rule():
-    with pytest.raises(ValueError, match="8 attention heads do not split over sp_size=3"):
+    with pytest.raises(ValueError, match=r"8 attention heads do not split over 3 Ulysses ranks \(sp_size=3"):
         plan_memory(CONFIG, 4096, sp_size=3)
+    with pytest.raises(ValueError, match="not a multiple of ring_size 3"):
+        plan_memory(CONFIG, 4096, sp_size=4, ring_size=3)
+    with pytest.raises(ValueError, match="2 KV heads: sp_size / ring_size = 3"):
+        plan_memory(CONFIG.__class__(**{**CONFIG.to_dict(), "hidden_size": 192, "num_attention_heads": 6}), 4096, sp_size=6,
+                    ring_size=2)
+    with pytest.raises(ValueError, match="offload_parameters is ZeRO 3's offload_param"):
+        plan_memory(CONFIG, 4096, stage=2, offload_parameters=True)
     with pytest.raises(ValueError, match="not a multiple of sp_size 4"):
         plan_memory(CONFIG, 4096, sp_size=4, world_size=6)
     with pytest.raises(ValueError, match="precision must be one of"):
@@ -179,3 +187,47 @@ def test_offloaded_checkpoints_leave_the_device_for_the_host():
     assert offloaded.peak < checkpointed.peak < plain.peak
     assert offloaded.host >= CONFIG.num_hidden_layers * 4096 * CONFIG.hidden_size * 4  # each layer's input at least
     assert plain.host == checkpointed.host == 0
+
+
+def test_ring_attention_is_traced_with_the_strategys_own_ring_code():
+    """``ring_size`` runs the strategy's ring attention in the trace (its passes as receive buffers): at 16 heads over
+    sp=8 the Ulysses-only plan is refused and the ring's is made; with the ring the step keeps what Ulysses keeps
+    (the same q/k/v and output bytes per rank; measured against launched runs: tests/profiling/test_tensor_memory.py,
+    benchmarks/plan_accuracy.py)."""
+    from lightning_ulysses.parallel import ring
+
+    calls = []
+    original = ring.ring_attention
+    ring.ring_attention = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    try:
+        ringed = plan_memory(CONFIG, 8192, sp_size=4, ring_size=2, stage=2, reduce_bucket_size=1_000_000)
+    finally:
+        ring.ring_attention = original
+    assert len(calls) == CONFIG.num_hidden_layers
+    ulysses = plan_memory(CONFIG, 8192, sp_size=4, stage=2, reduce_bucket_size=1_000_000)
+    assert ringed.ring_size == 2 and "(ring 2)" in ringed.table()
+    assert ringed.step == pytest.approx(ulysses.step, rel=0.05)
+
+
+def test_zero3_holds_a_module_and_what_it_prefetches():
+    """DeepSpeed gathers a module's partitioned parameters while it runs and prefetches the next ones up to
+    ``stage3_prefetch_bucket_size`` elements: a small model is in flight whole, a large one its biggest module and
+    one prefetch bucket; parameters under the persistence threshold are never gathered."""
+    small = ((100,), (300, 10), (200,))
+    assert zero3_gathered_elements(small, 0, 50_000_000) == 610
+    assert zero3_gathered_elements(small, 150, 50_000_000) == 500  # the 100- and 10-element ones stay whole
+    big = ((500,), (100,), (100,), (100,), (500,))  # embedding, three layers, LM head
+    assert zero3_gathered_elements(big, 0, 150) == 500 + 200  # the head and two layers (the bucket overshoots)
+    assert zero3_gathered_elements(big, 0, 0) == 500
+    plan = plan_memory(CONFIG, 4096, sp_size=2, stage=3, persistence_threshold=0)
+    assert plan.zero3_gathered == sum(p.numel() for p in LlamaForCausalLM(CONFIG).parameters()) * 2  # bf16, whole
+
+
+def test_parameter_offload_leaves_the_persistent_parameters_on_the_device():
+    on_device = plan_memory(CONFIG, 4096, sp_size=1, stage=3, offload_optimizer=True, persistence_threshold=0)
+    offloaded = plan_memory(CONFIG, 4096, sp_size=1, stage=3, offload_optimizer=True, offload_parameters=True,
+                            persistence_threshold=0)
+    assert offloaded.states.parameters == 0 and on_device.states.parameters > 0
+    assert offloaded.states.host == on_device.states.host + on_device.states.parameters
+    assert offloaded.zero3_gathered == on_device.zero3_gathered  # what runs is gathered onto the device all the same
+    assert offloaded.peak == on_device.peak - on_device.states.parameters
