@@ -213,10 +213,6 @@ class SequenceParallelFrontEnd:
         why_not = None
         if len(models) != 1:
             why_not = f"{len(models)} Hugging Face models are prepared (the plan counts one)"
-        elif self.ring_size > 1:
-            why_not = "ring attention is not modeled yet"
-        elif self.memory_features.any or getattr(models[0], "is_gradient_checkpointing", False):
-            why_not = "the memory switches and activation checkpointing are not modeled yet"
         else:
             why_not = preflight_check.not_validated(models[0])
         if why_not is None:
@@ -243,7 +239,10 @@ class SequenceParallelFrontEnd:
             offload_optimizer=self._offloads_optimizer(),
             reduce_bucket_size=int(zero.get("reduce_bucket_size", 200_000_000)),
             persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 100_000)),
-            prefetch_bucket_size=int(zero.get("stage3_prefetch_bucket_size", 50_000_000)))
+            prefetch_bucket_size=int(zero.get("stage3_prefetch_bucket_size", 50_000_000)),
+            ring_size=self.ring_size, tiled_mlp=self.memory_features.tiled_mlp,
+            tiled_loss=self.memory_features.tiled_loss, offload_checkpoints=self.memory_features.offload_checkpoints,
+            gradient_checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)))
 
     def _any_rank(self, over: bool) -> bool:
         flag = torch.tensor([int(over)], device=self.root_device)

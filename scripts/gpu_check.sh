@@ -9,7 +9,8 @@
 #    than there are skip with their reason);
 # 3. runs the GPU sweep of benchmarks/sweep.py (tokens/s and peak memory per rank, sp over the GPUs there are);
 # 4. writes benchmarks/results/gpu/report.md (+ junit.xml, sweep.csv, environment.txt): pass/fail per path,
-#    tokens/s, peak memory per rank, MFU where the GPU's peak is known.
+#    tokens/s, peak memory per rank, MFU where the GPU's peak is known, and the memory planner's step against each
+#    row's measured max_memory_allocated growth (lightning_ulysses.plan, docs/planning.md).
 #
 # On a machine without a GPU it checks nothing, prints a one-line summary and exits 0 (CI machines have none).
 # Environment: GPU_CHECK_LENGTHS (sweep sequence lengths, default "16384 32768"), GPU_CHECK_SKIP_SWEEP=1,
@@ -114,6 +115,36 @@ for r in csv.DictReader(open(sys.argv[1])):
     flops = tokens * (6 * matmul_params + 12 * layers * attention_width * S)  # training FLOPs: weights + attention
     mfu = f"{flops / (peak * int(r['sp'])):.1%}" if peak else "n/a"
     print(f"| {r['config']} | {r['sp']} | {S} | {float(r['peak_mib_per_rank']):.0f} | {tokens:.0f} | {mfu} |")
+EOF
+            echo
+            echo "## The memory planner against CUDA's max_memory_allocated (the sweep's rows)"
+            echo
+            "$PY" - "$OUT/sweep.csv" "${model_flags[@]}" <<'EOF'
+import argparse, csv, sys
+import torch
+sys.path.insert(0, "benchmarks")
+from sweep import SWITCHES, _model
+from lightning_ulysses.plan import plan_memory
+flags = argparse.ArgumentParser()
+for flag in ("--hidden", "--layers", "--heads", "--vocab"):
+    flags.add_argument(flag, type=int)
+shape = flags.parse_args(sys.argv[2:])
+with torch.device("meta"):
+    config = _model(argparse.Namespace(arch="llama", seq_len=2048, **vars(shape))).config
+print("The sweep measures the growth of max_memory_allocated from the start of training (the states are already"
+      " there): against it, the plan's step (ZeRO 2, bf16, SGD, buckets 2e8, the row's switches).")
+print()
+print("| config | sp | seq_len | measured MiB/rank | planned step MiB | difference |")
+print("|---|---|---|---|---|---|")
+for r in csv.DictReader(open(sys.argv[1])):
+    if r["config"] not in SWITCHES:
+        continue
+    sp, S = int(r["sp"]), int(r["seq_len"])
+    plan = plan_memory(config, S, sp_size=sp, world_size=sp, stage=2, precision="bf16-mixed", optimizer="sgd",
+                       **SWITCHES[r["config"]])
+    measured = float(r["peak_mib_per_rank"])
+    print(f"| {r['config']} | {sp} | {S} | {measured:.0f} | {plan.step / 2**20:.0f} |"
+          f" {plan.step / 2**20 / measured - 1:+.1%} |")
 EOF
         } >> "$REPORT"
     else

@@ -42,8 +42,18 @@ AUTO_CASES = [
     {"name": "auto_nothing_fits", "stage": 2, "model": "llama", "strategy": {
         "sp_size": "auto", "sequence_length": SEQ_LEN, "memory_budget": 1 << 20}},
 ]
+RING_ALST = {"ring_size": 2, "tiled_mlp": "auto", "tiled_loss": "auto", "offload_checkpoints": True}
+
+
+def _planned_ring_alst_peak(stage: int) -> int:
+    return plan_memory(tiny_llama_config(num_kv_heads=2), 64, sp_size=2, ring_size=2, stage=stage, precision="32-true",
+                       optimizer="sgd", tiled_mlp="auto", tiled_loss="auto", offload_checkpoints=True).peak
+
+
 CASES = [
     {"name": "stop_zero2", "stage": 2, "strategy": {"memory_budget": 1 << 20}},
+    {"name": "stop_ring_alst", "stage": 2, "strategy": {**RING_ALST, "memory_budget": 1 << 20}},
+    {"name": "fits_ring_alst", "stage": 3, "strategy": {**RING_ALST, "memory_budget": 2 * _planned_ring_alst_peak(3)}},
     {"name": "warn_zero3", "stage": 3, "strategy": {"memory_budget": 1 << 20, "preflight": "warn"}},
     {"name": "fits_zero2", "stage": 2, "strategy": {"memory_budget": 2 * _planned_peak(2)}},
     *AUTO_CASES,
@@ -63,6 +73,17 @@ def test_a_step_over_the_budget_stops_every_rank_before_any_compute(results):
         assert "more than the 0.00 GiB budget" in message and "| **peak** |" in message, message
         assert "Changes that fit:" in message and "sp_size" in message.split("Changes that fit:")[1], message
         assert result["losses"] == [] and result["unchanged"]
+
+
+def test_ring_attention_and_the_memory_switches_are_planned_and_checked(results):
+    """With ring attention and the ALST switches the check plans the step as the run takes it (ring 2, tiled MLP and
+    loss, offloaded checkpoints): over the budget it stops both ranks before any compute, within it trains."""
+    for result in results["stop_ring_alst"]:
+        assert result["error_type"] == "PreflightMemoryError", result["message"]
+        assert "(ring 2)" in result["message"] and result["losses"] == [] and result["unchanged"], result["message"]
+    for result in results["fits_ring_alst"]:
+        assert result["error_type"] is None, result["message"]
+        assert len(result["losses"]) == 3 and result["warnings"] == []
 
 
 def test_warn_trains_and_says_so_once(results):

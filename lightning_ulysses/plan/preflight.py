@@ -39,6 +39,21 @@ class PreflightSettings:
     reduce_bucket_size: int
     persistence_threshold: int
     prefetch_bucket_size: int = 50_000_000  # ZeRO 3's stage3_prefetch_bucket_size
+    ring_size: int = 1
+    tiled_mlp: Any = 0  # the strategy's memory switches
+    tiled_loss: Any = 0
+    offload_checkpoints: bool = False
+    gradient_checkpointing: bool = False  # the model's own activation checkpointing
+
+    def plan_arguments(self) -> dict[str, Any]:
+        """:func:`~lightning_ulysses.plan.plan_memory`'s keywords for these settings."""
+        return dict(sp_size=self.sp_size, world_size=self.world_size, stage=self.stage, precision=self.precision,
+                    optimizer=self.optimizer, offload_optimizer=self.offload_optimizer,
+                    reduce_bucket_size=self.reduce_bucket_size, persistence_threshold=self.persistence_threshold,
+                    prefetch_bucket_size=self.prefetch_bucket_size, ring_size=self.ring_size,
+                    tiled_mlp=self.tiled_mlp, tiled_loss=self.tiled_loss,
+                    offload_checkpoints=self.offload_checkpoints,
+                    gradient_checkpointing=self.gradient_checkpointing)
 
 
 def optimizer_kind(optimizer: Any) -> str:
@@ -91,11 +106,7 @@ def device_budget(device: torch.device) -> Optional[int]:
 
 def _changes_that_fit(config: Any, seq_len: int, batch_size: int, settings: PreflightSettings, budget: int,
                       plan: Callable[..., MemoryPlan]) -> list[str]:
-    base = dict(sp_size=settings.sp_size, world_size=settings.world_size, stage=settings.stage,
-                precision=settings.precision, micro_batch=batch_size, optimizer=settings.optimizer,
-                offload_optimizer=settings.offload_optimizer, reduce_bucket_size=settings.reduce_bucket_size,
-                persistence_threshold=settings.persistence_threshold,
-                prefetch_bucket_size=settings.prefetch_bucket_size)
+    base = dict(settings.plan_arguments(), micro_batch=batch_size)
     candidates = []
     sp = settings.sp_size * 2
     while sp <= settings.world_size:
@@ -108,6 +119,9 @@ def _changes_that_fit(config: Any, seq_len: int, batch_size: int, settings: Pref
         candidates.append(("offload_optimizer=True", dict(base, offload_optimizer=True)))
     if settings.stage in (1, 2) and settings.reduce_bucket_size > 50_000_000:  # two buckets per rank at ZeRO 1/2
         candidates.append(("reduce_bucket_size=5e7 (a strategy argument)", dict(base, reduce_bucket_size=50_000_000)))
+    if not (settings.tiled_mlp and settings.tiled_loss and settings.offload_checkpoints):
+        candidates.append(("the ALST switches (tiled_mlp='auto', tiled_loss='auto', offload_checkpoints=True)",
+                           dict(base, tiled_mlp="auto", tiled_loss="auto", offload_checkpoints=True)))
     if batch_size > 1:
         candidates.append(("a micro-batch of 1 row", dict(base, micro_batch=1)))
     fits = []
@@ -128,12 +142,7 @@ def check_first_step(config: Any, seq_len: int, batch_size: int, settings: Prefl
                      agree: Callable[[bool], bool], mode: str, warn: Callable[[str], None]) -> Optional[MemoryPlan]:
     """Plan the step; if its peak exceeds ``budget`` on any rank (``agree``: the OR over all ranks), raise
     :class:`PreflightMemoryError` (``mode="stop"``) or warn (``"warn"``). Returns the plan."""
-    plan = plan_memory(config, seq_len, sp_size=settings.sp_size, world_size=settings.world_size,
-                       stage=settings.stage, precision=settings.precision, micro_batch=batch_size,
-                       optimizer=settings.optimizer, offload_optimizer=settings.offload_optimizer,
-                       reduce_bucket_size=settings.reduce_bucket_size,
-                       persistence_threshold=settings.persistence_threshold,
-                       prefetch_bucket_size=settings.prefetch_bucket_size)
+    plan = plan_memory(config, seq_len, micro_batch=batch_size, **settings.plan_arguments())
     if not agree(plan.peak > budget):
         return plan
     fits = _changes_that_fit(config, seq_len, batch_size, settings, budget, plan_memory)

@@ -36,8 +36,9 @@ def _fit(payload: dict) -> dict:
             else:
                 self.model = LlamaForCausalLM(LlamaConfig(
                     vocab_size=payload["vocab"], hidden_size=hidden, intermediate_size=4 * hidden,
-                    num_hidden_layers=payload["layers"], num_attention_heads=8, num_key_value_heads=8,
-                    max_position_embeddings=seq_len, attn_implementation="sdpa", pad_token_id=0))
+                    num_hidden_layers=payload["layers"], num_attention_heads=8,
+                    num_key_value_heads=payload.get("kv_heads", 8), max_position_embeddings=seq_len,
+                    attn_implementation="sdpa", pad_token_id=0))
 
         def training_step(self, batch, batch_idx):
             loss = self.model(**batch).loss
@@ -63,7 +64,9 @@ def _fit(payload: dict) -> dict:
 
     monitor = TensorMemoryMonitor()
     strategy = UlyssesDeepSpeedStrategy(sp_size=sp, stage=payload["stage"], reduce_bucket_size=payload["bucket"],
-                                        allgather_bucket_size=payload["bucket"])
+                                        allgather_bucket_size=payload["bucket"], ring_size=payload.get("ring", 1))
+    if "persistence" in payload:
+        strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = payload["persistence"]
     make_trainer(strategy, payload["steps"], callbacks=[Persistent(), monitor],
                  precision=payload.get("precision", "32-true")).fit(
         Module(), torch.utils.data.DataLoader(data, batch_size=1))
