@@ -7,7 +7,9 @@ fresh ``torchrun`` processes, over a grid of configurations, and the longest seq
 
 Models (built from configs, small enough for a CPU): a dense GQA decoder (Llama: 8 query heads, 2 KV heads), a
 mixture of experts (Qwen3-MoE, transformers' fused experts: 8 experts, 2 per token), a Qwen3.5-like hybrid
-(``qwen3_5_text``: gated delta nets and full attention 3 : 1). Each row trains 2 steps with SGD under
+(``qwen3_5_text``: gated delta nets and full attention 3 : 1), and vision-language models (Qwen2.5-VL and Qwen3.5
+with their vision towers, ``benchmarks/vlm_memory.py``'s: rows of text, an image and a 64-frame video, the plan
+given the row's image and video grids). Each row trains 2 steps with SGD under
 ``UlyssesDeepSpeedStrategy`` (ZeRO 3 with ``stage3_param_persistence_threshold=0``: every parameter partitioned) and
 measures the last step's peak as CUDA's ``max_memory_allocated`` counts it: the live tensor bytes when the step
 starts (the model's states, DeepSpeed's buffers, the batch) plus the step's peak growth
@@ -21,7 +23,8 @@ device-side count is what a GPU would see.
 The longest-sequence check: for a budget, the planner's longest sequence ``L``; the runs at ``0.9 L`` must fit and
 at ``1.1 L`` must not (the measured longest is then within 10% of the predicted one).
 
-Writes ``benchmarks/out/plan_accuracy.json`` and prints the table (docs/planning.md).
+Writes ``benchmarks/out/plan_accuracy.json`` (``plan_accuracy_partial.json`` with ``--only`` or ``--longest``) and
+prints the table (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -69,7 +72,17 @@ GRID = [
     row("moe", 2, 8192, **ALST),
     # a Qwen3.5-like hybrid
     row("hybrid", 1, 2048), row("hybrid", 2, 4096), row("hybrid", 4, 8192, stage=3), row("hybrid", 2, 8192, **ALST),
+    # vision-language models (the length is the sample's: text, an image, a 64-frame video)
+    row("qwen2_5_vl", 1, 4080), row("qwen2_5_vl", 2, 4080), row("qwen2_5_vl", 2, 4080, stage=3),
+    row("qwen3_5_vl", 2, 4580),
 ]
+VISION_LANGUAGE = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_5_vl": "qwen3_5"}  # grid name: vlm_memory.py's family
+
+
+def vlm_args(spec: dict):
+    """``benchmarks/vlm_memory.py``'s settings for a vision-language row (3500 text tokens, a 64-frame video)."""
+    return argparse.Namespace(hidden=256, layers=4, vision_hidden=128, family=VISION_LANGUAGE[spec["model"]],
+                              text=3500, frames=64, frame_size=32, steps=2)
 # the longest sequence under a budget: (the row's settings, the budget in MiB)
 LONGEST = [(row("dense", 2, 0), 400), (row("dense", 4, 0, stage=3, **ALST), 160)]
 
@@ -87,6 +100,8 @@ def model_config(name: str, seq_len: int):
         return AutoConfig.for_model("qwen3_moe", intermediate_size=1024, moe_intermediate_size=256,
                                     num_hidden_layers=2, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
                                     **common)
+    if name in VISION_LANGUAGE:
+        return None  # built by benchmarks/vlm_memory.py
     if name == "hybrid":
         return AutoConfig.for_model(
             "qwen3_5_text", intermediate_size=1024, num_hidden_layers=4, num_key_value_heads=2,
@@ -98,7 +113,16 @@ def model_config(name: str, seq_len: int):
 def plan_of(spec: dict, seq_len: int):
     from lightning_ulysses.plan import plan_memory
 
-    return plan_memory(model_config(spec["model"], seq_len), seq_len, sp_size=spec["sp"], ring_size=spec["ring"],
+    config, grids = model_config(spec["model"], seq_len), None
+    if spec["model"] in VISION_LANGUAGE:
+        import torch
+        import vlm_memory
+
+        with torch.device("meta"):
+            config = vlm_memory._model(vlm_args(spec)).config
+        sample = vlm_memory._sample(vlm_args(spec), 0)
+        grids = sample["image_grid_thw"].tolist() + sample["video_grid_thw"].tolist()
+    return plan_memory(config, seq_len, sp_size=spec["sp"], ring_size=spec["ring"], vision_grids=grids,
                        stage=spec["stage"], precision=spec["precision"], optimizer="sgd", reduce_bucket_size=BUCKET,
                        persistence_threshold=0, tiled_mlp=spec.get("tiled_mlp", 0),
                        tiled_loss=spec.get("tiled_loss", 0), offload_checkpoints=spec.get("offload_checkpoints", False),
@@ -122,7 +146,6 @@ def _live_tensor_bytes() -> int:
 def _host_as_on_an_accelerator() -> None:
     """Checkpoint offload as an accelerator runs it: each saved tensor's bytes leave torch (a NumPy copy, as the copy
     to pinned host memory leaves the device's allocator) and come back as a new tensor in backward."""
-    import numpy as np
     import torch
 
     from lightning_ulysses.models import memory
@@ -158,8 +181,13 @@ def worker(spec: dict, result_dir: str) -> None:
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.model = AutoModelForCausalLM.from_config(model_config(spec["model"], seq_len),
-                                                          attn_implementation="sdpa")
+            if spec["model"] in VISION_LANGUAGE:
+                import vlm_memory
+
+                self.model = vlm_memory._model(vlm_args(spec))
+            else:
+                self.model = AutoModelForCausalLM.from_config(model_config(spec["model"], seq_len),
+                                                              attn_implementation="sdpa")
             if spec.get("gradient_checkpointing"):
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -182,6 +210,12 @@ def worker(spec: dict, result_dir: str) -> None:
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(1, VOCAB, (steps, seq_len), generator=g)
     data = [{"input_ids": r, "labels": r.clone()} for r in rows]
+    collate = None
+    if spec["model"] in VISION_LANGUAGE:
+        import vlm_memory
+
+        data, collate = [vlm_memory._sample(vlm_args(spec), seed) for seed in range(steps)], vlm_memory._first
+        assert data[0]["input_ids"].shape[1] == seq_len, (data[0]["input_ids"].shape, seq_len)
     before = _live_tensor_bytes()
     strategy = UlyssesDeepSpeedStrategy(
         sp_size=spec["sp"], ring_size=spec["ring"], stage=spec["stage"], reduce_bucket_size=BUCKET,
@@ -192,7 +226,8 @@ def worker(spec: dict, result_dir: str) -> None:
     monitor = TensorMemoryMonitor()
     Trainer(accelerator="cpu", devices=spec["sp"], max_steps=steps, strategy=strategy, precision=spec["precision"],
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[monitor, Start()]).fit(Module(), torch.utils.data.DataLoader(data, batch_size=1))
+            callbacks=[monitor, Start()]).fit(Module(), torch.utils.data.DataLoader(data, batch_size=1,
+                                                                                       collate_fn=collate))
     last = monitor.steps[-1]
     result = {"start": starts[-1], "step": last.peak_bytes, "peak": starts[-1] + last.peak_bytes, "losses": losses,
               "rss_growth": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss["base"]}
@@ -286,7 +321,8 @@ def main() -> None:
         for spec, budget in LONGEST:
             checks.append(longest(spec, budget))
             print(f"  {json.dumps(checks[-1])}", flush=True)
-    (OUT / "plan_accuracy.json").write_text(json.dumps({"rows": rows, "longest": checks}, indent=1))
+    name = "plan_accuracy.json" if not (args.only or args.longest) else "plan_accuracy_partial.json"
+    (OUT / name).write_text(json.dumps({"rows": rows, "longest": checks}, indent=1))
     if rows:
         print(table(rows))
         worst = max(abs(r["error"]) for r in rows)

@@ -60,6 +60,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--offload-parameters", action="store_true",
                         help="ZeRO 3's offload_param to the CPU (modeled, not measured)")
     parser.add_argument("--ring", type=int, default=1, help="the strategy's ring_size (divides each --sp)")
+    parser.add_argument("--vision-grids", nargs="+", metavar="T,H,W", default=[],
+                        help="a vision-language --config (Qwen-VL-style tower): the row's images and videos as the"
+                             " processor's grids in patches, e.g. 1,32,32 16,24,24")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--reduce-bucket-size", type=int, default=200_000_000)
     parser.add_argument("--reserved-gib", type=float, default=0.0,
@@ -92,7 +95,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     reduce_bucket_size=args.reduce_bucket_size, reserved_bytes=int(args.reserved_gib * GIB),
                     tiled_mlp=_tiles(args.tiled_mlp), tiled_loss=_tiles(args.tiled_loss),
                     offload_checkpoints=args.offload_checkpoints, gradient_checkpointing=args.gradient_checkpointing,
-                    ring_size=args.ring, offload_parameters=args.offload_parameters)
+                    ring_size=args.ring, offload_parameters=args.offload_parameters,
+                    vision_grids=[tuple(int(n) for n in grid.split(",")) for grid in args.vision_grids] or None)
 
     for sp in args.sp:
         settings = settings_for(sp)

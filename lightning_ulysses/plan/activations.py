@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.utils._python_dispatch
+import torch.utils._pytree
 
 from lightning_ulysses.profiling.tensor_memory import TensorMemoryTracker
 
@@ -188,6 +190,61 @@ def _grouped_experts_on_meta() -> Iterator[None]:
         moe._can_use_grouped_mm = original
 
 
+class _HostJoinsMeta(torch.utils._python_dispatch.TorchDispatchMode):
+    """An operation mixing meta tensors with host tensors (index tensors a model computes from real values: a vision
+    tower's positions and windows from its image grid, rotary positions from token ids) runs on the meta device: the
+    host tensors join it. The values stay real where the model reads them; the big tensors stay shapes."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if any(t.is_meta for t in leaves) and any(not t.is_meta and t.dim() > 0 for t in leaves):
+            def to_meta(a: Any) -> Any:
+                return a.to("meta") if isinstance(a, torch.Tensor) and not a.is_meta and a.dim() > 0 else a
+
+            args, kwargs = torch.utils._pytree.tree_map(to_meta, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def rank_vision_units(grids: Any, sp: int) -> list[tuple[int, int, int]]:
+    """The vision units (``(1, h, w)``: an image, or one temporal patch of a video) the busiest of ``sp`` ranks
+    encodes, from a row's grids ``[(t, h, w), ...]`` (the processor's ``image_grid_thw`` and ``video_grid_thw``, in
+    patches): the strategy deals the units to the ranks in contiguous runs balanced by their patches."""
+    units = [(1, int(h), int(w)) for t, h, w in grids for _ in range(int(t))]
+    total = sum(h * w for _, h, w in units)
+    ranks: list[list[tuple[int, int, int]]] = [[] for _ in range(sp)]
+    done = 0
+    for unit in units:
+        middle = done + unit[1] * unit[2] / 2  # a unit goes to the rank whose share holds its middle
+        ranks[min(int(middle * sp / max(total, 1)), sp - 1)].append(unit)
+        done += unit[1] * unit[2]
+    return max(ranks, key=lambda mine: sum(h * w for _, h, w in mine))
+
+
+def _vision_tower_kept(model: Any, units: list[tuple[int, int, int]], attention: str) -> int:
+    """The bytes a Qwen-VL-style vision tower (``model.model.visual(pixel_values, grid_thw=...)``) keeps for backward
+    after encoding ``units`` (``(t, h, w)`` grids in patches), its output included: alive while the language model
+    runs, until the backward pass reaches the tower last. Its attention is counted as a flash kernel keeps it
+    (``attention``)."""
+    from lightning_ulysses import _compat
+
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    vision = model.config.vision_config
+    if visual is None or not hasattr(vision, "temporal_patch_size"):
+        raise ValueError(f"vision grids are planned for Qwen-VL-style vision towers (model.model.visual(pixel_values,"
+                         f" grid_thw=...)), not yet for {type(model).__name__}.")
+    _compat.set_attention_implementation(vision, attention)
+    grid = torch.tensor(units, dtype=torch.long)  # [units, 3]: real values, the tower reads them
+    channels = getattr(vision, "in_channels", getattr(vision, "in_chans", 3))
+    pixels = torch.empty((int(grid.prod(-1).sum()), channels * vision.temporal_patch_size * vision.patch_size ** 2),
+                         dtype=next(visual.parameters()).dtype, device="meta")
+    with _HostJoinsMeta(), TensorMemoryTracker() as tracker:
+        encoded = visual(pixels, grid_thw=grid)  # its graph holds what the tower saved for backward
+    kept = tracker.result().end_bytes
+    del encoded
+    return kept
+
+
 @dataclass(frozen=True)
 class TracedStep:
     """One rank's traced step, in bytes: ``peak`` (the step's allocations at their peak), ``by_kind`` and
@@ -203,6 +260,7 @@ class TracedStep:
     largest_layer: int = 0  # parameters of the largest block of the model's longest ModuleList (its layers)
     host: int = 0  # host bytes the offloaded checkpoints held at most
     module_numels: tuple[tuple[int, ...], ...] = ()  # each module's own parameters' element counts, in model order
+    vision: int = 0  # what the vision tower keeps for backward (in ``peak``), vision-language models
 
 
 @contextlib.contextmanager
@@ -239,7 +297,8 @@ def _offload_shapes(host: list[int]) -> Iterator[None]:
 def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32, sp: int = 1,
                gradient_buffer_bytes: int = 0, gradients_leave: bool = False, tiled_mlp: Any = 0,
                tiled_loss: Any = 0, offload_checkpoints: bool = False,
-               gradient_checkpointing: bool = False, ring: int = 1) -> TracedStep:
+               gradient_checkpointing: bool = False, ring: int = 1,
+               vision_units: Optional[list[tuple[int, int, int]]] = None) -> TracedStep:
     """Count one forward and backward pass of a Hugging Face causal LM built from ``config`` over one rank's
     ``[batch_size, tokens]`` shard in ``dtype``, on the meta device, with the exchange of ``sp`` ranks around
     attention. ``gradient_buffer_bytes``: what the ZeRO optimizer allocates when the first gradient arrives and keeps
@@ -248,22 +307,28 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
     ``offload_checkpoints``: the strategy's memory switches, applied by the strategy's own code (the offload as on an
     accelerator: checkpoints in host memory); ``gradient_checkpointing``: the model's own activation checkpointing
     (``gradient_checkpointing_enable()``); ``ring``: the strategy's ``ring_size`` (``sp`` ranks of which ``sp / ring``
-    exchange heads, attention over the ring run by the strategy's own ring code)."""
-    from transformers import AutoModelForCausalLM
+    exchange heads, attention over the ring run by the strategy's own ring code); ``vision_units``: for a
+    vision-language ``config`` (a Qwen-VL-style tower), the ``(t, h, w)`` grids this rank's vision tower encodes
+    (:func:`rank_vision_units`; their features are among the ``tokens``)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
 
     from lightning_ulysses.models import memory
 
     name = _register(sp, ring)
     config = copy.deepcopy(config)
     config.use_cache = False
+    vision_language = getattr(config, "vision_config", None) is not None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=name, dtype=dtype)
+        builder = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
+        model = builder.from_config(config, attn_implementation=name, dtype=dtype)
     model.train()
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     features = memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints)
     memory.enable(model, features, None)
-    ids = torch.zeros((batch_size, tokens), dtype=torch.long, device="meta")
+    # a vision-language model computes its rotary positions from the ids' values: real ids (text only) there
+    ids = torch.zeros((batch_size, tokens), dtype=torch.long, device="cpu" if vision_language else "meta")
     buffers: list[torch.Tensor] = []
     host = [0]
 
@@ -275,22 +340,27 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
 
     hooks = [p.register_post_accumulate_grad_hook(first_gradient) for p in model.parameters() if p.requires_grad]
     targets = {"shift_labels": ids} if tiled_loss else {"labels": ids}
+    vision = _vision_tower_kept(model, vision_units, _register(1)) if vision_language and vision_units else 0
+    joining = _HostJoinsMeta() if vision_language else contextlib.nullcontext()
     try:
-        with _no_value_reads(), _grouped_experts_on_meta(), _offload_shapes(host), _ring_on_meta(ring), \
+        with _no_value_reads(), _grouped_experts_on_meta(), _offload_shapes(host), _ring_on_meta(ring), joining, \
                 TensorMemoryTracker() as tracker:
             model(input_ids=ids, **targets).loss.backward()
     finally:
         for hook in hooks:
             hook.remove()
     step = tracker.result()
+    by_kind = dict(step.by_kind)
+    if vision:
+        by_kind["vision tower (kept for backward)"] = vision
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     layers = max(lists, key=len) if lists else []
-    return TracedStep(step.peak_bytes, dict(step.by_kind), dict(step.by_layer),
+    return TracedStep(step.peak_bytes + vision, by_kind, dict(step.by_layer),
                       sum(p.numel() for p in model.parameters()),
                       sum(p.numel() for p in model.parameters() if p.requires_grad),
                       tuple(p.numel() for p in model.parameters()),
                       max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
-                      host[0], _module_numels(model))
+                      host[0], _module_numels(model), vision)
 
 
 def _module_numels(model: torch.nn.Module) -> tuple[tuple[int, ...], ...]:

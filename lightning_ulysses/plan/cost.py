@@ -108,9 +108,12 @@ def step_cost(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Option
               recompute: bool = False, parameters: Optional[int] = None, ring_size: int = 1) -> StepCost:
     """One rank's FLOPs and bytes sent in a training step (module docstring). ``recompute``: the layers' forward runs
     again in backward (activation checkpointing, the strategy's ``offload_checkpoints``); ``parameters``: every
-    trainable weight (ZeRO's traffic; default: the matmul weights plus the embedding); ``ring_size``: the strategy's."""
+    trainable weight (ZeRO's traffic; default: the matmul weights plus the embedding); ``ring_size``: the strategy's.
+    A vision-language model's step counts its language model (the vision tower's FLOPs are not added)."""
     world_size = world_size or sp_size
     _validate(config, seq_len, sp_size, world_size, ring_size)
+    if getattr(config, "vision_config", None) is not None:  # a vision-language model: its language model's step
+        config = config.text_config
     h, layers, hq, hkv, d, inter, vocab = _sizes(config)
     tokens = micro_batch * seq_len
     dense = (6 + (2 if recompute else 0)) * matmul_parameters(config) * tokens

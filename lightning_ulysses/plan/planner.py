@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_ulysses.plan.activations import trace_step
+from lightning_ulysses.plan.activations import rank_vision_units, trace_step
 from lightning_ulysses.plan.states import ModelStates, model_states
 
 PRECISIONS = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": torch.bfloat16,
@@ -112,8 +112,9 @@ def _validate(config: Any, seq_len: int, sp_size: int, world_size: int, ring_siz
     if sp_size % ring_size:
         raise ValueError(f"sp_size {sp_size} is not a multiple of ring_size {ring_size}.")
     ulysses = sp_size // ring_size
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    text = getattr(config, "text_config", None) or config  # a vision-language model's language model
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if heads and heads % ulysses:
         raise ValueError(f"{heads} attention heads do not split over {ulysses} Ulysses ranks (sp_size={sp_size},"
                          f" ring_size={ring_size}): choose a Ulysses size (sp_size / ring_size) that divides the"
@@ -129,7 +130,8 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
                 persistence_threshold: int = 100_000, reserved_bytes: int = 0, tiled_mlp: Any = 0,
                 tiled_loss: Any = 0, offload_checkpoints: bool = False,
                 gradient_checkpointing: bool = False, ring_size: int = 1,
-                offload_parameters: bool = False, prefetch_bucket_size: int = 50_000_000) -> MemoryPlan:
+                offload_parameters: bool = False, prefetch_bucket_size: int = 50_000_000,
+                vision_grids: Optional[list[tuple[int, int, int]]] = None) -> MemoryPlan:
     """Predict one rank's peak memory for training a Hugging Face causal LM built from ``config`` (a
     ``PretrainedConfig``) on rows of ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size,
     stage=stage)`` on ``world_size`` ranks (default: ``sp_size``). ``precision``: Lightning's (``"bf16-mixed"`` and
@@ -140,8 +142,10 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
     ``gradient_checkpointing``: the model's ``gradient_checkpointing_enable()``; ``ring_size``: the strategy's (hybrid
     Ulysses × ring: the strategy's own ring attention runs in the trace); ``offload_parameters``: ZeRO 3's
     ``offload_param`` to the CPU (the partitioned parameters in host memory; modeled, not measured);
-    ``prefetch_bucket_size``: ZeRO 3's ``stage3_prefetch_bucket_size`` (DeepSpeed's default 5e7 elements). About a
-    second for an 8B model."""
+    ``prefetch_bucket_size``: ZeRO 3's ``stage3_prefetch_bucket_size`` (DeepSpeed's default 5e7 elements);
+    ``vision_grids``: for a vision-language ``config`` (Qwen-VL-style towers), a row's images and videos as the
+    processor's ``(t, h, w)`` grids in patches (their features are among the ``seq_len`` tokens; the strategy deals
+    the units to the SP ranks, the busiest rank's are planned). About a second for an 8B model."""
     world_size = world_size or sp_size
     _validate(config, seq_len, sp_size, world_size, ring_size)
     if precision not in PRECISIONS:
@@ -154,7 +158,8 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
     traced = trace_step(config, shard, micro_batch, dtype, sp_size, gradient_buffer_bytes=buckets,
                         gradients_leave=stage >= 1, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
                         offload_checkpoints=offload_checkpoints, gradient_checkpointing=gradient_checkpointing,
-                        ring=ring_size)
+                        ring=ring_size,
+                        vision_units=rank_vision_units(vision_grids, sp_size) if vision_grids else None)
     states = model_states(traced.numels, traced.trainable, world_size, stage, param_bytes, optimizer,
                           offload_optimizer, persistence_threshold, reduce_bucket_size, offload_parameters)
     step, by_kind = traced.peak, dict(traced.by_kind)

@@ -231,3 +231,47 @@ def test_parameter_offload_leaves_the_persistent_parameters_on_the_device():
     assert offloaded.states.host == on_device.states.host + on_device.states.parameters
     assert offloaded.zero3_gathered == on_device.zero3_gathered  # what runs is gathered onto the device all the same
     assert offloaded.peak == on_device.peak - on_device.states.parameters
+
+
+def _qwen2_5_vl_config():
+    from transformers import Qwen2_5_VLConfig
+
+    text = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=8192,
+                rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0})
+    vision = dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=128, out_hidden_size=128, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=16,
+                  fullatt_block_indexes=[1])
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=1020, video_token_id=1021,
+                            vision_start_token_id=1022, vision_end_token_id=1023)
+
+
+def test_a_vision_tower_is_traced_from_its_grids():
+    """A Qwen-VL-style tower runs on the meta device with its image grid's real values (positions, windows): what it
+    keeps for backward matches the real CPU tower's (sdpa) within 3%, and halves when two SP ranks share the units
+    (the launched comparison: benchmarks/plan_accuracy.py, +0.1% on a whole Qwen2.5-VL step)."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightning_ulysses.plan.activations import _register, _vision_tower_kept, rank_vision_units
+
+    grids = [(1, 16, 16), (4, 8, 8)]  # an image and a 4-temporal-patch video, in patches
+    assert rank_vision_units(grids, 1) == [(1, 16, 16)] + [(1, 8, 8)] * 4
+    assert rank_vision_units(grids, 2) in ([(1, 16, 16)], [(1, 8, 8)] * 4)  # 256 patches each
+    config = _qwen2_5_vl_config()
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
+    units = rank_vision_units(grids, 1)
+    grid = torch.tensor(units)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4)
+    with TensorMemoryTracker() as tracker:
+        encoded = model.model.visual(pixels, grid_thw=grid)
+    real = tracker.result().end_bytes
+    del encoded
+    with torch.device("meta"):
+        meta = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
+    traced = _vision_tower_kept(meta, units, _register(1))
+    assert traced == pytest.approx(real, rel=0.03), (traced, real)
+    one = plan_memory(config, 2048, sp_size=1, precision="32-true", optimizer="sgd", vision_grids=grids)
+    two = plan_memory(config, 2048, sp_size=2, precision="32-true", optimizer="sgd", vision_grids=grids)
+    kind = "vision tower (kept for backward)"
+    assert one.step_by_kind[kind] == pytest.approx(2 * two.step_by_kind[kind], rel=0.1), (one, two)
