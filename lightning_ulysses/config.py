@@ -17,6 +17,7 @@ from lightning_ulysses.models.memory import MemoryFeatures, TileSetting
 from lightning_ulysses.parallel.attention import ModuleSelector
 from lightning_ulysses.parallel.layout import validate_ring_size, validate_sp_size
 from lightning_ulysses.plan.auto import AUTO
+from lightning_ulysses.parallel.offload_attention import chunk_length
 from lightning_ulysses.plan.preflight import MODES as PREFLIGHT_MODES
 
 
@@ -32,6 +33,8 @@ class SequenceParallelConfig:
         sdpa_per_document: with ``sdpa``, attend within each packed document by one call per document.
         attention_modules: attention cores of the user's own model to wrap (selectors).
         tiled_mlp, tiled_loss, offload_checkpoints: the ALST memory switches (:attr:`memory_features`).
+        offload_attention: attention over chunks of the gathered sequence, the chunks not in use in host memory
+            (Ulysses-Offload): ``True``/``"auto"``, positions per chunk, or ``False``.
         check_sp_agreement, verify_checkpoints, check_model_form: the checks before compute and of checkpoints.
         allow_untested_versions: an untested library version warns instead of stopping.
         memory_budget: bytes per rank for the pre-flight check; ``None``: the device's free memory.
@@ -47,6 +50,7 @@ class SequenceParallelConfig:
     tiled_mlp: TileSetting = 0
     tiled_loss: TileSetting = 0
     offload_checkpoints: bool = False
+    offload_attention: Union[bool, int, str] = False
     check_sp_agreement: bool = True
     verify_checkpoints: bool = True
     check_model_form: bool = True
@@ -74,6 +78,10 @@ class SequenceParallelConfig:
             validate_ring_size(self.ring_size, self.sp_size if self.sp_size is not None else self.ring_size)
         object.__setattr__(self, "attention_modules", tuple(self.attention_modules or ()))
         MemoryFeatures(self.tiled_mlp, self.tiled_loss, self.offload_checkpoints)  # raises naming the bad value
+        chunk_length(self.offload_attention)  # raises naming the bad value
+        if chunk_length(self.offload_attention) is not None and self.ring_size != 1:
+            raise ValueError("offload_attention with ring_size > 1 is not supported yet (the chunks would have to"
+                             " run inside each ring step): use one of them.")
         if self.preflight not in PREFLIGHT_MODES:
             raise ValueError(f"preflight must be one of {PREFLIGHT_MODES}, not {self.preflight!r}.")
         budget = self.memory_budget
@@ -89,6 +97,11 @@ class SequenceParallelConfig:
     def memory_features(self) -> MemoryFeatures:
         """The ALST memory switches."""
         return MemoryFeatures(self.tiled_mlp, self.tiled_loss, self.offload_checkpoints)
+
+    @property
+    def attention_chunk(self) -> Optional[int]:
+        """Positions per chunk of the offloaded attention (``None``: off)."""
+        return chunk_length(self.offload_attention)
 
     @property
     def auto(self) -> bool:

@@ -93,6 +93,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
 
     Args: as the Trainer's :class:`lightning_ulysses.UlyssesDeepSpeedStrategy` (``sp_size``, ``ring_size``,
     ``sdpa_per_document``, ``attention_modules``, ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints``,
+    ``offload_attention``,
     ``check_sp_agreement``, ``verify_checkpoints``, ``check_model_form``, ``allow_untested_versions``,
     ``memory_budget``, ``preflight``, ``sequence_length``; with ``sp_size="auto"`` the size is chosen at
     ``fabric.setup(model, ...)``, so set up the model before the dataloaders), and every
@@ -110,6 +111,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         tiled_mlp: memory.TileSetting = 0,
         tiled_loss: memory.TileSetting = 0,
         offload_checkpoints: bool = False,
+        offload_attention: Union[bool, int, str] = False,
         check_sp_agreement: bool = True,
         verify_checkpoints: bool = True,
         ring_size: int = 1,

@@ -101,6 +101,7 @@ class SequenceParallelFrontEnd:
     # The settings read as attributes of the strategy (read-only: the config object is their one owner).
     ring_size = property(lambda self: self.settings.ring_size)
     sdpa_per_document = property(lambda self: self.settings.sdpa_per_document)
+    attention_chunk = property(lambda self: self.settings.attention_chunk)
     attention_modules = property(lambda self: list(self.settings.attention_modules))
     memory_features = property(lambda self: self.settings.memory_features)
     check_sp_agreement = property(lambda self: self.settings.check_sp_agreement)
@@ -191,6 +192,7 @@ class SequenceParallelFrontEnd:
             context = StepContext(sp_group=layout.sp_group, ulysses_group=layout.ulysses_group,
                                   ring_group=layout.ring_group, ring_size=self.ring_size,
                                   sdpa_per_document=self.sdpa_per_document, incoming_gradients=[],
+                                  attention_chunk=self.attention_chunk,
                                   gradients=GradientFactors(layout.dp_size, layout.sp_size),
                                   geometry=layout.geometry)
             agreement = (SPAgreement(layout.sp_group, layout.sp_group_ranks(), self.root_device)

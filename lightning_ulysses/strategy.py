@@ -93,6 +93,12 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
             step's longest shard by one scalar all-reduce per step (equal tile counts keep ZeRO-3's gathers equal).
         offload_checkpoints: checkpoint every decoder layer and keep the checkpoints in CPU memory until backward.
             Use when the saved layer activations dominate; costs a recompute and host-device copies.
+        offload_attention: Ulysses-Offload: after the all-to-all, attention runs over chunks of the gathered
+            sequence (``True``/``"auto"``: 16384 positions per chunk, or a number of positions), exactly (the
+            chunks' results merged by their log-sum-exps), and on CUDA the chunks backward needs wait in pinned host
+            memory, copied on a side stream, instead of on the device. Causal attention, sliding windows, packed
+            documents, GQA/MQA; not with ring attention, sinks, chunked (Llama 4) attention or image blocks (refused
+            before compute). On CPU there is no host to move to: the chunking runs, nothing moves.
         gather_predictions: ``predict_step`` outputs that are per-token (``[B, s, ...]``) are gathered to the full
             ``[B, S, ...]`` on every rank of the SP group. ``False`` keeps each rank's shard (saves memory).
         check_sp_agreement: before every step, the ranks of each SP group verify that they hold the same full batch
@@ -146,6 +152,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         tiled_mlp: memory.TileSetting = 0,
         tiled_loss: memory.TileSetting = 0,
         offload_checkpoints: bool = False,
+        offload_attention: Union[bool, int, str] = False,
         check_sp_agreement: bool = True,
         verify_checkpoints: bool = True,
         ring_size: int = 1,

@@ -35,6 +35,7 @@ from lightning_ulysses.parallel.layout import group_rank, group_size
 from lightning_ulysses.parallel.sinks import sink_attention
 from lightning_ulysses.parallel.image_blocks import (IMAGE_BLOCKS_KWARG, ImageBlocks, attend_image_blocks,
                                                  refuse_unsupported_image_blocks)
+from lightning_ulysses.parallel.offload_attention import offloaded_attention
 from lightning_ulysses.parallel.ring import causal_window_mask, document_ids, ring_attention
 from lightning_ulysses.patches import on_instance
 from lightning_ulysses.training.step_context import StepContext
@@ -244,6 +245,7 @@ class AttentionSpec:
     image_blocks: Optional[ImageBlocks] = None
     sinks: Optional[torch.Tensor] = None
     ring: bool = False
+    offload_chunk: Optional[int] = None  # offload_attention's positions per chunk
 
     @classmethod
     def declare(cls, module: nn.Module, kernel: str, query: torch.Tensor, value: torch.Tensor,
@@ -275,9 +277,12 @@ class AttentionSpec:
         ring = context.ring_size > 1
         if ring and sinks is None and value.shape[-1] != query.shape[-1]:
             raise ValueError(ring_head_sizes_error(type(module).__name__, query.shape[-1], value.shape[-1]))
+        offload_chunk = context.attention_chunk
+        if offload_chunk is not None:
+            _refuse_unsupported_offload(module, causal, chunk, sinks is not None, bool(blocks), query, value)
         shard = context.shard_info
         documents = shard if shard is not None and shard.packed else None
-        return cls(kernel, causal, window, chunk, documents, blocks or None, sinks, ring)
+        return cls(kernel, causal, window, chunk, documents, blocks or None, sinks, ring, offload_chunk)
 
 
 # Ways to attend over the whole sequence (``q [B, hq, S, D]``, ``k, v [B, hkv, S, D]`` after the exchange; each
@@ -306,6 +311,14 @@ def _over_the_ring(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Ten
     if spec.documents is not None:
         documents = document_ids(spec.documents.cu_seqlens, q.shape[0], spec.documents.padded_len, q.device)
     return ring_attention(view, q, k, v, context.ring_group, spec.window, kwargs, documents)
+
+
+def _offloaded(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, kwargs: dict[str, Any], context: StepContext) -> torch.Tensor:
+    documents = None  # [B, S]: the document of every position
+    if spec.documents is not None:
+        documents = document_ids(spec.documents.cu_seqlens, q.shape[0], spec.documents.padded_len, q.device)
+    return offloaded_attention(view, q, k, v, spec.offload_chunk, spec.window, kwargs, documents)
 
 
 def _in_chunks(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -338,6 +351,7 @@ def _kernel_itself(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Ten
 ATTENTION_PATHS: tuple[tuple[str, Callable[[AttentionSpec, int], bool], Callable[..., torch.Tensor]], ...] = (
     ("sinks", lambda spec, S: spec.sinks is not None, _with_sinks),
     ("ring", lambda spec, S: spec.ring, _over_the_ring),
+    ("offload", lambda spec, S: spec.offload_chunk is not None, _offloaded),
     ("chunks", lambda spec, S: spec.chunk is not None and spec.chunk < S, _in_chunks),
     ("documents", lambda spec, S: spec.documents is not None, _per_document),
     ("flex", lambda spec, S: spec.kernel == "flex_attention", _flex),
@@ -437,6 +451,20 @@ def _local_heads(per_head: torch.Tensor, num_heads: int, group: Any) -> torch.Te
     counts = head_counts(num_heads, sp)
     start = sum(counts[:rank])
     return per_head[start:start + counts[rank]]
+
+
+def _refuse_unsupported_offload(module: nn.Module, causal: bool, chunk: Optional[int], sinks: bool,
+                                image_blocks: bool, query: torch.Tensor, value: torch.Tensor) -> None:
+    """``offload_attention`` runs causal attention (windows, packed documents, GQA) over chunks with the ring's block
+    kernels: what it cannot make exact is refused before compute, naming the reason."""
+    name = type(module).__name__
+    what = ("bidirectional attention" if not causal else "chunked (Llama 4) attention" if chunk is not None
+            else "attention sinks" if sinks else "image blocks" if image_blocks
+            else "value heads of another size than the query/key heads" if value.shape[-1] != query.shape[-1]
+            else None)
+    if what is not None:
+        raise ValueError(f"offload_attention does not support {what} ({name}) yet: set offload_attention=False for"
+                         " this model.")
 
 
 def _refuse_unsupported_sinks(module: nn.Module, context: StepContext, chunk: Optional[int],

@@ -48,6 +48,7 @@ class RunFacts:
             external parameters (:mod:`lightning_ulysses.models.mixers`).
         geometry: the layout's token placement over the SP group (``None``: derived from the SP group's size and
             ``ring_size``, for contexts made without a layout).
+        attention_chunk: positions per chunk of the offloaded attention (``offload_attention``; ``None``: off).
     """
 
     sp_group: Optional[dist.ProcessGroup]
@@ -58,6 +59,7 @@ class RunFacts:
     sdpa_per_document: bool = False
     zero_stage_3: bool = False
     geometry: Optional[SequenceGeometry] = None
+    attention_chunk: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -153,9 +155,10 @@ class StepContext:
                  ring_group: Optional[dist.ProcessGroup], ring_size: int = 1,
                  gradients: Optional[GradientFactors] = None, sdpa_per_document: bool = False,
                  zero_stage_3: bool = False, incoming_gradients: Optional[list] = None,
-                 geometry: Optional[SequenceGeometry] = None, **step_facts: Any) -> None:
+                 geometry: Optional[SequenceGeometry] = None, attention_chunk: Optional[int] = None,
+                 **step_facts: Any) -> None:
         self._run = RunFacts(sp_group, ulysses_group, ring_group, ring_size, gradients or GradientFactors(),
-                             sdpa_per_document, zero_stage_3, geometry)
+                             sdpa_per_document, zero_stage_3, geometry, attention_chunk)
         if "step_batch_tensors" in step_facts:
             step_facts["step_batch_tensors"] = MappingProxyType(dict(step_facts["step_batch_tensors"]))
         self._facts = StepFacts(**step_facts)
@@ -200,6 +203,7 @@ class StepContext:
     ring_size = property(lambda self: self._run.ring_size)
     gradients = property(lambda self: self._run.gradients)
     sdpa_per_document = property(lambda self: self._run.sdpa_per_document)
+    attention_chunk = property(lambda self: self._run.attention_chunk)
     zero_stage_3 = property(lambda self: self._run.zero_stage_3)
 
     @property

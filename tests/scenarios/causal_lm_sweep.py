@@ -7,7 +7,8 @@ error. Rank 0 reports losses and final weights (gathered at ZeRO 3); every rank 
 strategy's own code raised it.
 
 ``payload["progress"]`` (a folder, optional): each rank writes every model's result there as soon as it has it, so
-that a caller keeps them when a later model kills the processes. ``payload["model_timeout"]`` (seconds, optional):
+that a caller keeps them when a later model kills the processes. ``payload["strategy"]`` (optional): more strategy
+keywords for every fit (``tests/test_offload_attention.py``: ``offload_attention``). ``payload["model_timeout"]`` (seconds, optional):
 a fit that runs longer ends the process (its result says so), instead of hanging the launch.
 """
 
@@ -18,7 +19,7 @@ import pickle
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -56,14 +57,14 @@ class SweepLM(LightningModule):
         return DataLoader(rows, batch_size=1)  # in order; every rank of the SP group reads the same rows
 
 
-def _strategy_and_precision(setting: str) -> tuple[UlyssesDeepSpeedStrategy, str]:
+def _strategy_and_precision(setting: str, options: dict) -> tuple[UlyssesDeepSpeedStrategy, str]:
     if setting == sweep.ZERO3:
-        strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=3)
+        strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=3, **options)
         strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every parameter partitioned
         return strategy, "32-true"
     precision = "bf16-mixed" if setting in (sweep.BF16, sweep.BF16_PACKED) else "32-true"
     packed = setting in (sweep.PACKED, sweep.BF16_PACKED)
-    return UlyssesDeepSpeedStrategy(sp_size=2, stage=2, sdpa_per_document=packed), precision
+    return UlyssesDeepSpeedStrategy(sp_size=2, stage=2, sdpa_per_document=packed, **options), precision
 
 
 def _final_weights(module: SweepLM, stage: int) -> dict[str, torch.Tensor]:
@@ -74,13 +75,14 @@ def _final_weights(module: SweepLM, stage: int) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().clone() for k, v in params.items()}
 
 
-def _fit(model_type: str, class_name: str, steps: int, setting: str = sweep.ZERO2) -> dict[str, Any]:
+def _fit(model_type: str, class_name: str, steps: int, setting: str = sweep.ZERO2,
+         options: Optional[dict] = None) -> dict[str, Any]:
     result: dict[str, Any] = {"error": None}
     module = None
     start = time.monotonic()
     try:
         module = SweepLM(model_type, class_name, steps, setting)
-        strategy, precision = _strategy_and_precision(setting)
+        strategy, precision = _strategy_and_precision(setting, options or {})
         trainer = Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, precision=precision,
                           max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -131,7 +133,7 @@ def run(payload: dict) -> dict:
             watchdog = threading.Timer(timeout, expire)
             watchdog.daemon = True
             watchdog.start()
-        results[key] = _fit(model_type, class_name, payload.get("steps", STEPS), setting)
+        results[key] = _fit(model_type, class_name, payload.get("steps", STEPS), setting, payload.get("strategy"))
         if watchdog is not None:
             watchdog.cancel()
         if folder is not None:
