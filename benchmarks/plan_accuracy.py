@@ -15,7 +15,7 @@ measures the last step's peak as CUDA's ``max_memory_allocated`` counts it: the 
 starts (the model's states, DeepSpeed's buffers, the batch) plus the step's peak growth
 (:class:`lightning_ulysses.TensorMemoryMonitor`), the largest over the ranks; the process's peak RSS growth beside it.
 
-Checkpoint offload on a CPU has no host to move to (the strategy keeps host tensors where they are): rows with
+Checkpoint offload (and ``offload_attention``'s chunk store) on a CPU has no host to move to (the strategy keeps host tensors where they are): rows with
 ``offload_checkpoints=True`` run with the strategy's offload hooks moving each saved tensor's bytes out of torch (into
 a NumPy array, back into a tensor in backward), as an accelerator's copy to pinned host memory does, so that the
 device-side count is what a GPU would see.
@@ -67,6 +67,7 @@ GRID = [
     row("dense", 2, 8192, tiled_mlp="auto"), row("dense", 2, 8192, tiled_loss="auto"),
     row("dense", 2, 8192, gradient_checkpointing=True), row("dense", 2, 8192, offload_checkpoints=True),
     row("dense", 2, 16384, stage=3, **ALST), row("dense", 4, 32768, stage=3, **ALST),
+    row("dense", 2, 8192, offload_attention=1024), row("dense", 4, 16384, stage=3, offload_attention=2048),
     # a mixture of experts
     row("moe", 1, 2048), row("moe", 2, 4096), row("moe", 4, 8192, stage=3), row("moe", 2, 4096, ring=2),
     row("moe", 2, 8192, **ALST),
@@ -126,7 +127,8 @@ def plan_of(spec: dict, seq_len: int):
                        stage=spec["stage"], precision=spec["precision"], optimizer="sgd", reduce_bucket_size=BUCKET,
                        persistence_threshold=0, tiled_mlp=spec.get("tiled_mlp", 0),
                        tiled_loss=spec.get("tiled_loss", 0), offload_checkpoints=spec.get("offload_checkpoints", False),
-                       gradient_checkpointing=spec.get("gradient_checkpointing", False))
+                       gradient_checkpointing=spec.get("gradient_checkpointing", False),
+                       offload_attention=spec.get("offload_attention", False))
 
 
 def _live_tensor_bytes() -> int:
@@ -163,6 +165,32 @@ def _host_as_on_an_accelerator() -> None:
     memory._offload_to_host = offload
 
 
+def _attention_chunks_on_a_host() -> None:
+    """``offload_attention``'s chunk store as on CUDA: a stored chunk's bytes leave torch (a NumPy copy) and come back
+    as a new tensor when fetched."""
+    import torch
+
+    from lightning_ulysses.parallel import offload_attention
+
+    class HostStore:
+        offloads = True
+
+        def __init__(self, device):
+            pass
+
+        def put(self, tensor):
+            return tensor.dtype, tensor.shape, tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().copy()
+
+        def fetch(self, handle):
+            dtype, shape, host = handle
+            return torch.from_numpy(host).view(dtype).view(shape).clone()  # the copy back: a device allocation
+
+        def ready(self, fetched):
+            return fetched
+
+    offload_attention.ChunkStore = HostStore
+
+
 def worker(spec: dict, result_dir: str) -> None:
     import torch
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -172,6 +200,8 @@ def worker(spec: dict, result_dir: str) -> None:
 
     if spec.get("offload_checkpoints"):
         _host_as_on_an_accelerator()
+    if spec.get("offload_attention"):
+        _attention_chunks_on_a_host()
     seq_len, steps = spec["seq_len"], 2
     losses: list[float] = []
     starts: list[int] = []
@@ -220,7 +250,8 @@ def worker(spec: dict, result_dir: str) -> None:
     strategy = UlyssesDeepSpeedStrategy(
         sp_size=spec["sp"], ring_size=spec["ring"], stage=spec["stage"], reduce_bucket_size=BUCKET,
         allgather_bucket_size=BUCKET, tiled_mlp=spec.get("tiled_mlp", 0), tiled_loss=spec.get("tiled_loss", 0),
-        offload_checkpoints=spec.get("offload_checkpoints", False), preflight="off")
+        offload_checkpoints=spec.get("offload_checkpoints", False),
+        offload_attention=spec.get("offload_attention", False), preflight="off")
     if spec["stage"] == 3:
         strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every parameter partitioned
     monitor = TensorMemoryMonitor()

@@ -68,8 +68,9 @@ class SequenceParallelConfig:
                 raise ValueError("sp_size='auto' chooses the size from the memory plan of a row of the run's length:"
                                  " pass `sequence_length=<tokens per row>` too.")
             if self.ring_size != 1:
-                raise ValueError("sp_size='auto' plans Ulysses groups only (the planner does not model ring"
-                                 " attention yet): pass both sizes as numbers, or ring_size=1.")
+                raise ValueError("sp_size='auto' chooses a Ulysses size only (a ring is chosen by hand; the planner"
+                                 " plans one: python -m lightning_ulysses.plan --ring): pass both sizes as numbers,"
+                                 " or ring_size=1.")
         elif isinstance(self.sp_size, str):
             raise ValueError(f"`sp_size` must be a positive integer, None or 'auto', got {self.sp_size!r}.")
         elif self.sp_size is not None:

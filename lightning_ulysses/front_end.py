@@ -244,7 +244,8 @@ class SequenceParallelFrontEnd:
             prefetch_bucket_size=int(zero.get("stage3_prefetch_bucket_size", 50_000_000)),
             ring_size=self.ring_size, tiled_mlp=self.memory_features.tiled_mlp,
             tiled_loss=self.memory_features.tiled_loss, offload_checkpoints=self.memory_features.offload_checkpoints,
-            gradient_checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)))
+            gradient_checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
+            offload_attention=self.settings.offload_attention)
 
     def _any_rank(self, over: bool) -> bool:
         flag = torch.tensor([int(over)], device=self.root_device)

@@ -138,7 +138,7 @@ def test_auto_with_nothing_fitting_stops_every_rank_before_any_weight_changes(re
 def test_auto_settings_are_checked_at_construction():
     with pytest.raises(ValueError, match="pass `sequence_length=<tokens per row>` too"):
         UlyssesDeepSpeedStrategy(sp_size="auto")
-    with pytest.raises(ValueError, match="plans Ulysses groups only"):
+    with pytest.raises(ValueError, match="chooses a Ulysses size only"):
         UlyssesDeepSpeedStrategy(sp_size="auto", sequence_length=4096, ring_size=2)
     with pytest.raises(ValueError, match="`sp_size` must be a positive integer, None or 'auto', got 'max'"):
         UlyssesDeepSpeedStrategy(sp_size="max")

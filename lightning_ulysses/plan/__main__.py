@@ -60,6 +60,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--offload-parameters", action="store_true",
                         help="ZeRO 3's offload_param to the CPU (modeled, not measured)")
     parser.add_argument("--ring", type=int, default=1, help="the strategy's ring_size (divides each --sp)")
+    parser.add_argument("--offload-attention", type=int, default=0, metavar="CHUNK",
+                        help="the strategy's offload_attention: positions per chunk (0: off)")
     parser.add_argument("--vision-grids", nargs="+", metavar="T,H,W", default=[],
                         help="a vision-language --config (Qwen-VL-style tower): the row's images and videos as the"
                              " processor's grids in patches, e.g. 1,32,32 16,24,24")
@@ -96,6 +98,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     tiled_mlp=_tiles(args.tiled_mlp), tiled_loss=_tiles(args.tiled_loss),
                     offload_checkpoints=args.offload_checkpoints, gradient_checkpointing=args.gradient_checkpointing,
                     ring_size=args.ring, offload_parameters=args.offload_parameters,
+                    offload_attention=args.offload_attention or False,
                     vision_grids=[tuple(int(n) for n in grid.split(",")) for grid in args.vision_grids] or None)
 
     for sp in args.sp:

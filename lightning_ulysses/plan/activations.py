@@ -117,6 +117,61 @@ def _ring_shape_attention(module: Any, query: torch.Tensor, key: torch.Tensor, v
     return out.contiguous(), None  # the strategy's contiguous copy of the exchanged (transposed) output
 
 
+def _offload_shape_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: Optional[torch.Tensor], sp: int = 1, chunk: int = 1,
+                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """``offload_attention`` as the strategy runs it, on the meta device: the exchange (shapes), the strategy's own
+    chunked attention (:mod:`lightning_ulysses.parallel.offload_attention`) with its chunk store as on CUDA (each
+    chunk leaves the device when stored and comes back as a new tensor), the exchange back."""
+    from lightning_ulysses.parallel.offload_attention import offloaded_attention
+
+    q, k, v = _ExchangeShapes.apply(query, key, value, sp) if sp > 1 else (query, key, value)  # [B, h/sp, S, D]
+    out = offloaded_attention(module, q, k, v, chunk, None, kwargs)  # [B, S, hq/sp, D]
+    if sp > 1:
+        out = _ExchangeBackShapes.apply(out, sp)  # [B, s, Hq, D]
+    return out.contiguous(), None
+
+
+class _HostStoreShapes:
+    """:class:`~lightning_ulysses.parallel.offload_attention.ChunkStore` as on CUDA, shapes only: a stored chunk
+    leaves the device (its host bytes counted in ``host``) and comes back as a new tensor."""
+
+    offloads = True
+    host = [0]
+    live = [0]
+
+    def __init__(self, device: torch.device) -> None:
+        pass
+
+    def put(self, tensor: torch.Tensor) -> tuple:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.live[0] += nbytes
+        self.host[0] = max(self.host[0], self.live[0])
+        return tensor.shape, tensor.dtype
+
+    def fetch(self, handle: tuple) -> torch.Tensor:
+        return torch.empty(handle[0], dtype=handle[1], device="meta")
+
+    def ready(self, fetched: torch.Tensor) -> torch.Tensor:
+        return fetched
+
+
+@contextlib.contextmanager
+def _offload_attention_on_meta(host: list[int]) -> Iterator[None]:
+    """The chunked attention's store as on CUDA (``host``: the host bytes its chunks hold at most, over the layers)
+    and its fused block kernel."""
+    from lightning_ulysses.parallel import offload_attention
+
+    store = type("_Store", (_HostStoreShapes,), {"host": host, "live": [0]})
+    saved = offload_attention.ChunkStore, offload_attention.block_kernel
+    offload_attention.ChunkStore = store
+    offload_attention.block_kernel = lambda q, v=None: "cpu_flash"
+    try:
+        yield
+    finally:
+        offload_attention.ChunkStore, offload_attention.block_kernel = saved
+
+
 @contextlib.contextmanager
 def _ring_on_meta(ring: int) -> Iterator[None]:
     """The ring's collectives and kernel choice for a trace: ``ring`` ranks, this one rank 0, each pass a receive
@@ -138,11 +193,14 @@ def _ring_on_meta(ring: int) -> Iterator[None]:
             setattr(ring_module, name, value)
 
 
-def _register(sp: int, ring: int = 1) -> str:
+def _register(sp: int, ring: int = 1, chunk: Optional[int] = None) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
-    if ring > 1:
+    if chunk is not None:
+        name = f"{SHAPE_ATTENTION}_sp{sp}_offload{chunk}"
+        AttentionInterface.register(name, functools.partial(_offload_shape_attention, sp=sp, chunk=chunk))
+    elif ring > 1:
         name = f"{SHAPE_ATTENTION}_sp{sp}_ring{ring}"
         AttentionInterface.register(name, functools.partial(_ring_shape_attention, sp=sp, ring=ring))
     else:
@@ -298,7 +356,8 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
                gradient_buffer_bytes: int = 0, gradients_leave: bool = False, tiled_mlp: Any = 0,
                tiled_loss: Any = 0, offload_checkpoints: bool = False,
                gradient_checkpointing: bool = False, ring: int = 1,
-               vision_units: Optional[list[tuple[int, int, int]]] = None) -> TracedStep:
+               vision_units: Optional[list[tuple[int, int, int]]] = None,
+               attention_chunk: Optional[int] = None) -> TracedStep:
     """Count one forward and backward pass of a Hugging Face causal LM built from ``config`` over one rank's
     ``[batch_size, tokens]`` shard in ``dtype``, on the meta device, with the exchange of ``sp`` ranks around
     attention. ``gradient_buffer_bytes``: what the ZeRO optimizer allocates when the first gradient arrives and keeps
@@ -309,13 +368,14 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
     (``gradient_checkpointing_enable()``); ``ring``: the strategy's ``ring_size`` (``sp`` ranks of which ``sp / ring``
     exchange heads, attention over the ring run by the strategy's own ring code); ``vision_units``: for a
     vision-language ``config`` (a Qwen-VL-style tower), the ``(t, h, w)`` grids this rank's vision tower encodes
-    (:func:`rank_vision_units`; their features are among the ``tokens``)."""
+    (:func:`rank_vision_units`; their features are among the ``tokens``); ``attention_chunk``: the strategy's
+    ``offload_attention`` (positions per chunk; its chunks in host memory as on CUDA)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 
     from lightning_ulysses.models import memory
 
-    name = _register(sp, ring)
+    name = _register(sp, ring, attention_chunk)
     config = copy.deepcopy(config)
     config.use_cache = False
     vision_language = getattr(config, "vision_config", None) is not None
@@ -340,11 +400,12 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
 
     hooks = [p.register_post_accumulate_grad_hook(first_gradient) for p in model.parameters() if p.requires_grad]
     targets = {"shift_labels": ids} if tiled_loss else {"labels": ids}
+    attention_host = [0]
     vision = _vision_tower_kept(model, vision_units, _register(1)) if vision_language and vision_units else 0
     joining = _HostJoinsMeta() if vision_language else contextlib.nullcontext()
     try:
         with _no_value_reads(), _grouped_experts_on_meta(), _offload_shapes(host), _ring_on_meta(ring), joining, \
-                TensorMemoryTracker() as tracker:
+                _offload_attention_on_meta(attention_host), TensorMemoryTracker() as tracker:
             model(input_ids=ids, **targets).loss.backward()
     finally:
         for hook in hooks:
@@ -360,7 +421,7 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
                       sum(p.numel() for p in model.parameters() if p.requires_grad),
                       tuple(p.numel() for p in model.parameters()),
                       max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
-                      host[0], _module_numels(model), vision)
+                      host[0] + attention_host[0], _module_numels(model), vision)
 
 
 def _module_numels(model: torch.nn.Module) -> tuple[tuple[int, ...], ...]:

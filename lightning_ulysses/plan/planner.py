@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_ulysses.parallel.offload_attention import chunk_length
 from lightning_ulysses.plan.activations import rank_vision_units, trace_step
 from lightning_ulysses.plan.states import ModelStates, model_states
 
@@ -65,7 +66,7 @@ class MemoryPlan:
     zero3_gathered: int = 0
     reserved: int = 0
     parameters: int = 0
-    host_checkpoints: int = 0  # host bytes per rank the offloaded checkpoints hold at most (offload_checkpoints)
+    host_checkpoints: int = 0  # host bytes per rank the offloaded checkpoints (and attention chunks) hold at most
     ring_size: int = 1
 
     @property
@@ -131,7 +132,8 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
                 tiled_loss: Any = 0, offload_checkpoints: bool = False,
                 gradient_checkpointing: bool = False, ring_size: int = 1,
                 offload_parameters: bool = False, prefetch_bucket_size: int = 50_000_000,
-                vision_grids: Optional[list[tuple[int, int, int]]] = None) -> MemoryPlan:
+                vision_grids: Optional[list[tuple[int, int, int]]] = None,
+                offload_attention: Any = False) -> MemoryPlan:
     """Predict one rank's peak memory for training a Hugging Face causal LM built from ``config`` (a
     ``PretrainedConfig``) on rows of ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size,
     stage=stage)`` on ``world_size`` ranks (default: ``sp_size``). ``precision``: Lightning's (``"bf16-mixed"`` and
@@ -145,7 +147,8 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
     ``prefetch_bucket_size``: ZeRO 3's ``stage3_prefetch_bucket_size`` (DeepSpeed's default 5e7 elements);
     ``vision_grids``: for a vision-language ``config`` (Qwen-VL-style towers), a row's images and videos as the
     processor's ``(t, h, w)`` grids in patches (their features are among the ``seq_len`` tokens; the strategy deals
-    the units to the SP ranks, the busiest rank's are planned). About a second for an 8B model."""
+    the units to the SP ranks, the busiest rank's are planned); ``offload_attention``: the strategy's (the chunks of
+    each layer's attention in host memory, as on CUDA). About a second for an 8B model."""
     world_size = world_size or sp_size
     _validate(config, seq_len, sp_size, world_size, ring_size)
     if precision not in PRECISIONS:
@@ -159,7 +162,8 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
                         gradients_leave=stage >= 1, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
                         offload_checkpoints=offload_checkpoints, gradient_checkpointing=gradient_checkpointing,
                         ring=ring_size,
-                        vision_units=rank_vision_units(vision_grids, sp_size) if vision_grids else None)
+                        vision_units=rank_vision_units(vision_grids, sp_size) if vision_grids else None,
+                        attention_chunk=chunk_length(offload_attention))
     states = model_states(traced.numels, traced.trainable, world_size, stage, param_bytes, optimizer,
                           offload_optimizer, persistence_threshold, reduce_bucket_size, offload_parameters)
     step, by_kind = traced.peak, dict(traced.by_kind)

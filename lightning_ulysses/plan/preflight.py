@@ -44,6 +44,7 @@ class PreflightSettings:
     tiled_loss: Any = 0
     offload_checkpoints: bool = False
     gradient_checkpointing: bool = False  # the model's own activation checkpointing
+    offload_attention: Any = False  # the strategy's Ulysses-Offload
 
     def plan_arguments(self) -> dict[str, Any]:
         """:func:`~lightning_ulysses.plan.plan_memory`'s keywords for these settings."""
@@ -53,7 +54,7 @@ class PreflightSettings:
                     prefetch_bucket_size=self.prefetch_bucket_size, ring_size=self.ring_size,
                     tiled_mlp=self.tiled_mlp, tiled_loss=self.tiled_loss,
                     offload_checkpoints=self.offload_checkpoints,
-                    gradient_checkpointing=self.gradient_checkpointing)
+                    gradient_checkpointing=self.gradient_checkpointing, offload_attention=self.offload_attention)
 
 
 def optimizer_kind(optimizer: Any) -> str:
