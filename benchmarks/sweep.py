@@ -22,7 +22,8 @@ then once at the length where that projection reaches 97% of the budget (``refin
 so it is this strategy with sp_size=1 and every switch off):
 
 * ``plain``: strategy, all memory switches off;  ``alst``: ``tiled_mlp="auto", tiled_loss="auto",
-  offload_checkpoints=True`` (tile counts grow with the sequence, as in ALST);
+  offload_checkpoints=True`` (tile counts grow with the sequence, as in ALST); ``offload``:
+  ``offload_attention=True`` (Ulysses-Offload: attention in chunks, on CUDA the chunks in pinned host memory);
 * ``deepspeed-loop``: DeepSpeed's own ``UlyssesSPAttentionHF`` + ``deepspeed.initialize``, no Lightning (timing
   reference for the strategy's overhead, same model, same settings).
 """
@@ -41,7 +42,8 @@ import time
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out"
-SWITCHES = {"plain": {}, "alst": {"tiled_mlp": "auto", "tiled_loss": "auto", "offload_checkpoints": True}}
+SWITCHES = {"plain": {}, "alst": {"tiled_mlp": "auto", "tiled_loss": "auto", "offload_checkpoints": True},
+            "offload": {"offload_attention": True}}  # Ulysses-Offload: attention in chunks, the chunks on the host
 CPU_MMAP_THRESHOLD = "131072"  # bytes; see the module docstring
 
 

@@ -80,7 +80,7 @@ if [[ "${GPU_CHECK_SKIP_SWEEP:-0}" != "1" ]]; then
     # shellcheck disable=SC2086
     model_flags=(--hidden 2048 --layers 8 --heads 16 --vocab 32000)  # the swept model (MFU counts its parameters)
     if "$PY" benchmarks/sweep.py --lengths $lengths --sp $sps "${model_flags[@]}" \
-            --configs plain alst --steps 5 --max-length 0 > "$OUT/sweep.log" 2>&1; then
+            --configs plain alst offload --steps 5 --max-length 0 > "$OUT/sweep.log" 2>&1; then
         cp benchmarks/out/sweep.csv "$OUT/sweep.csv"
         {
             echo

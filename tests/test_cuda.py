@@ -309,3 +309,34 @@ def test_ring_block_kernels_on_cuda_match_sdpa(dtype, window):
                                      kernel)
         for got, want in ((out, ref), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
             assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), kernel
+
+
+@ONE_GPU
+def test_offloaded_attention_on_cuda_is_exact_and_leaves_the_device(record_property):
+    """``offload_attention``'s chunked attention on CUDA (the memory-efficient block kernel, chunks in pinned host
+    memory copied on a side stream, fetched one chunk ahead in backward): output and gradients equal full attention
+    (float32, 1e-4), and between forward and backward the device holds the output only, not the chunks' q, k, v,
+    outputs and log-sum-exps (what a flash kernel keeps on the device). CPU path: tests/test_offload_attention.py
+    (the chunks stay in place there)."""
+    from lightning_ulysses.parallel.offload_attention import offloaded_attention
+
+    class Module:
+        training = True
+
+    torch.manual_seed(0)
+    B, hq, hkv, S, D = 1, 8, 2, 8192, 64
+    q, k, v = (torch.randn(B, h, S, D, device="cuda", requires_grad=True) for h in (hq, hkv, hkv))
+    grad = torch.randn(B, S, hq, D, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = offloaded_attention(Module(), q, k, v, 1024, None, {"scaling": D ** -0.5})
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before  # the output, and nothing the backward pass needs
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want_out = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                                              is_causal=True).transpose(1, 2)
+    want = torch.autograd.grad(want_out, (q, k, v), grad)
+    record_property("kept_after_forward_mib", f"{kept / 2**20:.1f}")
+    assert kept <= 1.05 * out.numel() * out.element_size(), kept
+    for a, b in zip((out, *got), (want_out, *want)):
+        assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item() + 1e-5
