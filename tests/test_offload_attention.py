@@ -3,7 +3,8 @@
 * in process: the chunked attention against full attention (forward and backward), causal, sliding windows, packed
   documents, GQA, chunk sizes from 1 position to more than the sequence: float64 within 1e-10, float32 within 1e-5;
   bad settings and unsupported attentions refused before compute;
-* one launch of 2 processes: training with ``offload_attention`` is the single device's training (the sweep's
+* launches of 2 and 4 processes: the exchange per chunk alone against full attention (float64, 1e-12);
+* launches of 2 processes: training with ``offload_attention`` is the single device's training (the sweep's
   models and comparison: per-step losses and weight updates) for a GQA Llama and a sliding-window Mistral at ZeRO 2,
   partitioned ZeRO 3 and with packed rows, and a hybrid (Qwen3-Next's attention layers) at ZeRO 2 and 3.
 
@@ -77,6 +78,31 @@ def test_the_store_keeps_chunks_in_place_without_a_host():
     chunk = torch.randn(3, 4)
     store = ChunkStore(torch.device("cpu"))
     assert not store.offloads and store.ready(store.fetch(store.put(chunk))) is chunk
+
+
+ALONE = [  # the exchange per chunk alone, float64, at 2 and 4 ranks: each rank's shard against full attention
+    {"name": "gqa", "B": 2, "Hq": 4, "Hkv": 2, "S": 48, "D": 8, "chunk": 12},
+    {"name": "mha_odd_chunks", "B": 1, "Hq": 4, "Hkv": 4, "S": 40, "D": 8, "chunk": 6},
+    {"name": "window", "B": 1, "Hq": 4, "Hkv": 2, "S": 48, "D": 8, "chunk": 8, "window": 7},
+    {"name": "packed", "B": 2, "Hq": 4, "Hkv": 2, "S": 48, "D": 8, "chunk": 16, "document_starts": [5, 6, 19, 30]},
+    {"name": "one_chunk", "B": 1, "Hq": 4, "Hkv": 2, "S": 32, "D": 8, "chunk": 64},
+]
+
+
+@pytest.fixture(scope="module")
+def alone():
+    return {n: launch(n, "offload_attention:alone", {"cases": ALONE}) for n in (2, 4)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("name", [c["name"] for c in ALONE])
+def test_the_exchange_per_chunk_is_exact_in_float64(alone, ranks, name):
+    """Each rank's piece ``i`` exchanged alone makes global chunk ``i`` (``sp`` runs spread over the sequence); the
+    blocks' masks on global positions make it full causal (windowed, per-document) attention: the output and every
+    gradient (the keys' and values' from every rank's queries) within 1e-12 of full attention."""
+    worst = max(max(rank[name].values()) for rank in alone[ranks])
+    assert worst <= 1e-12, (ranks, name, alone[ranks][0][name])
 
 
 CASES = {"llama": ("zero2", "zero3", "packed"), "mistral": ("zero2", "zero3", "packed"),

@@ -29,13 +29,13 @@ from torch import nn
 from lightning_ulysses import _compat
 from lightning_ulysses._compat import ATTENTION_PREFIX
 from lightning_ulysses.context import ShardInfo
-from lightning_ulysses.parallel.exchange import (head_counts, head_to_sequence_shards,
+from lightning_ulysses.parallel.exchange import (head_counts, head_to_sequence_shards, is_even_split,
                                                 sequence_to_head_shards)
 from lightning_ulysses.parallel.layout import group_rank, group_size
 from lightning_ulysses.parallel.sinks import sink_attention
 from lightning_ulysses.parallel.image_blocks import (IMAGE_BLOCKS_KWARG, ImageBlocks, attend_image_blocks,
                                                  refuse_unsupported_image_blocks)
-from lightning_ulysses.parallel.offload_attention import offloaded_attention
+from lightning_ulysses.parallel.offload_attention import chunked_ulysses_attention, offloaded_attention
 from lightning_ulysses.parallel.ring import causal_window_mask, document_ids, ring_attention
 from lightning_ulysses.patches import on_instance
 from lightning_ulysses.training.step_context import StepContext
@@ -321,6 +321,25 @@ def _offloaded(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor,
     return offloaded_attention(view, q, k, v, spec.offload_chunk, spec.window, kwargs, documents)
 
 
+def _exchanges_per_chunk(spec: AttentionSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         group: Any) -> bool:
+    """Whether ``offload_attention`` exchanges chunk by chunk (heads split evenly over more than one rank), rather
+    than exchanging the whole sequence and chunking the attention after it (uneven head splits, one rank)."""
+    sp = group_size(group)
+    return (spec.offload_chunk is not None and sp > 1 and not spec.ring
+            and is_even_split(query.shape[1], key.shape[1], sp) and value.shape[-1] == query.shape[-1])
+
+
+def _offloaded_per_chunk(spec: AttentionSpec, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor, group: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    """``query [B, Hq, s, D]``, ``key/value [B, Hkv, s, D]`` (this rank's shard) -> ``[B, s, Hq, D]``."""
+    documents = None  # [B, S]: the document of every global position
+    if spec.documents is not None:
+        documents = document_ids(spec.documents.cu_seqlens, query.shape[0], spec.documents.padded_len, query.device)
+    return chunked_ulysses_attention(module, query, key, value, group, spec.offload_chunk, spec.window, kwargs,
+                                     documents).contiguous()
+
+
 def _in_chunks(spec: AttentionSpec, inner: Callable, view: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kwargs: dict[str, Any], context: StepContext) -> torch.Tensor:
     return _attend_chunks(spec.kernel, inner, view, q, k, v, spec.chunk, kwargs)
@@ -385,6 +404,8 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
         spec = AttentionSpec.declare(module, inner_name, query, value, attention_mask, kwargs, context)
         group = context.ulysses_group
         query = global_query_temperature(module, query, context.shard_info)
+        if _exchanges_per_chunk(spec, query, key, value, group):  # offload_attention: FPDT's chunked exchange
+            return _offloaded_per_chunk(spec, module, query, key, value, group, kwargs), None
         q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
         inner = ALL_ATTENTION_FUNCTIONS[inner_name]
         view = _LocalHeadsView(module, q.shape[1] // k.shape[1])

@@ -210,3 +210,208 @@ def offloaded_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.
         scale = q.shape[-1] ** -0.5
     out = _OffloadedAttention.apply(q, k, v, chunk, window, float(scale), documents)  # [B, hq, S, D]
     return out.transpose(1, 2)  # [B, S, hq, D]
+
+
+# ------------------------------------------------------------------------------ the exchange per chunk (FPDT's layout)
+def _to_head_shards(pieces: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
+    """One all-to-all for several ``[B, Ht, p, D]`` pieces of this rank's shard (``Ht`` divisible by ``sp``): each
+    becomes ``[B, Ht/sp, sp·p, D]``, this rank's heads for every rank's piece, rank-major."""
+    from lightning_ulysses.parallel.exchange import _all_to_all
+    from lightning_ulysses.parallel.layout import group_size
+
+    sp = group_size(group)
+    B, _, p, D = pieces[0].shape
+    heads = [t.shape[1] // sp for t in pieces]
+    packed = torch.cat([t.reshape(B, sp, h, p, D) for t, h in zip(pieces, heads)], dim=2)  # [B, sp(dest), Σh, p, D]
+    rows = B * sum(heads)
+    received = _all_to_all(packed.transpose(0, 1).reshape(sp * rows, p, D), [rows] * sp, [rows] * sp, group)
+    full = received.view(sp, B, sum(heads), p, D).permute(1, 2, 0, 3, 4).reshape(B, sum(heads), sp * p, D)
+    return list(full.split(heads, dim=1))  # each [B, Ht/sp, sp·p, D]
+
+
+def _to_sequence_shards(chunks: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
+    """The adjoint of :func:`_to_head_shards`: ``[B, h, sp·p, D]`` (this rank's heads of every rank's piece) ->
+    ``[B, h·sp, p, D]`` (every head of this rank's piece)."""
+    from lightning_ulysses.parallel.exchange import _all_to_all
+    from lightning_ulysses.parallel.layout import group_size
+
+    sp = group_size(group)
+    B, _, width, D = chunks[0].shape
+    p = width // sp
+    heads = [t.shape[1] for t in chunks]
+    packed = torch.cat([t.reshape(B, h, sp, p, D) for t, h in zip(chunks, heads)], dim=1)  # [B, Σh, sp(dest), p, D]
+    rows = B * sum(heads)
+    received = _all_to_all(packed.permute(2, 0, 1, 3, 4).reshape(sp * rows, p, D), [rows] * sp, [rows] * sp, group)
+    pieces = received.view(sp, B, sum(heads), p, D)  # [sp(src: its heads), B, Σh, p, D]
+    out, start = [], 0
+    for h in heads:
+        out.append(pieces[:, :, start:start + h].permute(1, 0, 2, 3, 4).reshape(B, sp * h, p, D))
+        start += h
+    return out
+
+
+def _chunk_positions(piece: tuple[int, int], shard: int, sp: int, device: torch.device) -> torch.Tensor:
+    """``[sp·p]`` global positions of the global chunk made of every rank's ``piece`` of its shard, rank-major."""
+    local = torch.arange(piece[0], piece[1], device=device)
+    return torch.cat([r * shard + local for r in range(sp)])
+
+
+def _chunk_blocks(pieces: list[tuple[int, int]], i: int, shard: int, sp: int, window: Optional[int],
+                  documents: Optional[torch.Tensor], device: torch.device
+                  ) -> Iterator[tuple[int, slice, slice, bool, Optional[torch.Tensor]]]:
+    """The parts of key chunk ``j`` that the queries of chunk ``i`` attend to, as ``(j, query slice, key slice,
+    causal, mask)``. A global chunk is ``sp`` runs (one per rank's piece, rank-major) spread over the sequence, so a
+    query run ``r`` sees, in every key chunk, the runs of the ranks before it whole, and its own rank's run whole
+    (an earlier chunk), causally (its own chunk) or not at all (a later chunk): without a window or documents at most
+    two kernel calls per query run and key chunk, no mask. With a window or packed documents: each (query run, key
+    run) pair with its ``[p, p]`` mask on global positions (``[B, 1, p, p]`` with ``documents [B, S]``; True =
+    attend; ``None``: every pair), empty pairs skipped."""
+    qa, qb = pieces[i]
+    p = qb - qa
+    for j, (ka, kb) in enumerate(pieces):
+        pk = kb - ka
+        for r in range(sp):
+            qs = slice(r * p, (r + 1) * p)
+            if window is None and documents is None:
+                whole = r * pk + (pk if j < i else 0)  # the runs this query run sees whole
+                if whole:
+                    yield j, qs, slice(0, whole), False, None
+                if j == i:
+                    yield j, qs, slice(r * pk, (r + 1) * pk), True, None
+                continue
+            where = torch.device("cpu") if device.type == "meta" else device  # the planner's trace: real values
+            q_pos = r * shard + torch.arange(qa, qb, device=where)
+            for r_key in range(r + 1):
+                k_pos = r_key * shard + torch.arange(ka, kb, device=where)
+                mask = causal_window_mask(q_pos, k_pos, window)  # [p, pk]
+                if documents is not None:
+                    mask = mask & (documents[:, q_pos, None] == documents[:, None, k_pos])[:, None]
+                if not mask.any():
+                    continue
+                yield j, qs, slice(r_key * pk, (r_key + 1) * pk), False, (None if mask.all() else mask.to(device))
+
+
+class _ChunkedUlysses(torch.autograd.Function):
+    """Ulysses attention with the exchange per chunk (DeepSpeed FPDT's layout, on the strategy's contiguous shards):
+    this rank's shard is cut into ``n`` pieces; piece ``i`` of every rank, exchanged alone, is global chunk ``i``
+    (``sp`` runs of positions spread over the sequence, rank-major) for this rank's heads. Each query chunk attends
+    to the key chunks before it (block masks on global positions), its output goes back to the sequence shards at
+    once, and the chunks backward needs wait in a :class:`ChunkStore`: no rank ever holds the whole sequence of its
+    heads. Backward exchanges the output's gradient chunk by chunk, accumulates each key chunk's gradients, and
+    sends every gradient back to the sequence shards.
+
+    Shapes: ``q [B, Hq, s, D]``, ``k/v [B, Hkv, s, D]`` (this rank's shard, every head; ``sp`` divides ``Hq`` and
+    ``Hkv``), output ``[B, Hq, s, D]``."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,  # type: ignore[override]
+                pieces_count: int, window: Optional[int], scale: float,
+                documents: Optional[torch.Tensor]) -> torch.Tensor:
+        from lightning_ulysses.parallel.layout import group_size
+
+        sp = group_size(group)
+        B, Hq, s, D = q.shape
+        groups = Hq // k.shape[1]
+        piece = -(-s // pieces_count)
+        pieces = _bounds(s, piece)
+        probe = q.new_empty((1, 1, 1, D))
+        kernel = block_kernel(probe)
+        kernel_dtype = q.dtype if kernel in ("cpu_flash", "cuda_efficient") else (
+            torch.float64 if q.dtype == torch.float64 else torch.float32)
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        store = ChunkStore(q.device)
+        out = torch.empty_like(q)  # [B, Hq, s, D]
+        saved: dict[str, list] = {"q": [], "k": [], "v": [], "out": [], "lse": []}
+        queries = []
+        for a, b in pieces:  # every chunk exchanged once; its keys and values wait in the store for every query chunk
+            q_i, k_i, v_i = _to_head_shards([q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]], group)  # [B, h, c, D]
+            queries.append(store.put(q_i.to(kernel_dtype)))
+            saved["k"].append(store.put(k_i))
+            saved["v"].append(store.put(v_i))
+        for i, (a, b) in enumerate(pieces):
+            q_i = store.ready(store.fetch(queries[i]))  # [B, h, c, D]
+            acc = torch.zeros((*q_i.shape[:3], v.shape[-1]), dtype=acc_dtype, device=q.device)
+            acc_lse = torch.full(q_i.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
+            fetched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for j, qs, ks, causal, mask in _chunk_blocks(pieces, i, s, sp, window, documents, q.device):
+                if j not in fetched:  # one key chunk on the device at a time
+                    fetched = {j: (_expand_heads(store.ready(store.fetch(saved["k"][j])), groups, kernel_dtype),
+                                   _expand_heads(store.ready(store.fetch(saved["v"][j])), groups, kernel_dtype))}
+                k_j, v_j = fetched[j]
+                out_b, lse_b = _block_forward(q_i[:, :, qs], k_j[:, :, ks], v_j[:, :, ks], causal, mask, scale,
+                                              kernel)
+                _merge(acc[:, :, qs], acc_lse[:, :, qs], out_b, lse_b.to(acc_dtype))
+            del fetched
+            out_i = acc.to(kernel_dtype)  # [B, h, c, D]: every query sees at least itself
+            out[:, :, a:b] = _to_sequence_shards([out_i.to(q.dtype)], group)[0]  # [B, Hq, p, D]
+            saved["q"].append(queries[i])
+            saved["out"].append(store.put(out_i))
+            saved["lse"].append(store.put(acc_lse.to(torch.float32) if kernel_dtype != torch.float64 else acc_lse))
+        ctx.group, ctx.store, ctx.saved, ctx.pieces, ctx.documents = group, store, saved, pieces, documents
+        ctx.meta = (window, scale, kernel, kernel_dtype, acc_dtype, groups, q.dtype, k.dtype, v.dtype, s, sp)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        group, store, saved, pieces = ctx.group, ctx.store, ctx.saved, ctx.pieces
+        window, scale, kernel, kernel_dtype, acc_dtype, groups, q_dtype, k_dtype, v_dtype, s, sp = ctx.meta
+        B, Hq, _, D = grad_out.shape
+        device = grad_out.device
+        dq = torch.empty((B, Hq, s, D), dtype=q_dtype, device=device)
+        dk_chunks: list[Optional[torch.Tensor]] = [None] * len(pieces)  # [B, hkv, c, D] each, accumulated
+        dv_chunks: list[Optional[torch.Tensor]] = [None] * len(pieces)
+        for i, (a, b) in enumerate(pieces):
+            dout_i = _to_head_shards([grad_out[:, :, a:b]], group)[0].to(kernel_dtype).contiguous()  # [B, h, c, D]
+            q_i, out_i, lse_i = (store.ready(store.fetch(saved[name][i])) for name in ("q", "out", "lse"))
+            dq_i = torch.zeros(q_i.shape, dtype=acc_dtype, device=device)
+            fetched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for j, qs, ks, causal, mask in _chunk_blocks(pieces, i, s, sp, window, ctx.documents, device):
+                if j not in fetched:  # one key chunk on the device at a time
+                    k_j, v_j = store.ready(store.fetch(saved["k"][j])), store.ready(store.fetch(saved["v"][j]))
+                    fetched = {j: (_expand_heads(k_j, groups, kernel_dtype), _expand_heads(v_j, groups, kernel_dtype))}
+                    if dk_chunks[j] is None:
+                        dk_chunks[j] = torch.zeros(k_j.shape, dtype=acc_dtype, device=device)
+                        dv_chunks[j] = torch.zeros(v_j.shape, dtype=acc_dtype, device=device)
+                kx, vx = fetched[j]
+                hkv, width = dk_chunks[j].shape[1], ks.stop - ks.start
+                dq_b, dk_b, dv_b = _block_backward(dout_i[:, :, qs], q_i[:, :, qs], kx[:, :, ks], vx[:, :, ks],
+                                                   out_i[:, :, qs], lse_i[:, :, qs], causal, mask, scale, kernel)
+                dq_i[:, :, qs] += dq_b
+                dk_chunks[j][:, :, ks] += dk_b.view(B, hkv, groups, width, -1).sum(2)
+                dv_chunks[j][:, :, ks] += dv_b.view(B, hkv, groups, width, -1).sum(2)
+            del fetched
+            dq[:, :, a:b] = _to_sequence_shards([dq_i.to(q_dtype)], group)[0]
+        dk = torch.empty((B, dk_chunks[0].shape[1] * sp, s, D), dtype=k_dtype, device=device)
+        dv = torch.empty((B, dv_chunks[0].shape[1] * sp, s, dv_chunks[0].shape[-1]), dtype=v_dtype, device=device)
+        for j, (a, b) in enumerate(pieces):  # every key chunk's gradients back to the sequence shards
+            dk[:, :, a:b], dv[:, :, a:b] = _to_sequence_shards([dk_chunks[j].to(k_dtype), dv_chunks[j].to(v_dtype)],
+                                                               group)
+        ctx.saved = None
+        return dq, dk, dv, None, None, None, None, None
+
+
+def chunked_ulysses_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
+                              chunk: int, window: Optional[int], kwargs: dict[str, Any],
+                              documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Ulysses attention with the exchange per chunk (:class:`_ChunkedUlysses`): ``q [B, Hq, s, D]``, ``k/v [B, Hkv,
+    s, D]`` (this rank's contiguous shard of ``S = sp·s`` positions, every head; ``sp`` divides ``Hq``, and divides
+    ``Hkv`` or is a multiple of it)
+    -> ``[B, s, Hq, D]``. ``chunk``: positions per global chunk (each rank's piece: ``chunk / sp``);
+    ``documents``: ``[B, S]`` packed-document index of every global position."""
+    from lightning_ulysses.parallel.layout import group_size
+
+    if kwargs.get("dropout") and getattr(module, "training", False):
+        raise ValueError("Attention dropout is not supported with offload_attention; set the model's attention"
+                         " dropout to 0.")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("Attention logit soft-capping is not supported with offload_attention.")
+    scale = kwargs.get("scaling")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    from lightning_ulysses.parallel.exchange import replicate_kv_heads
+
+    sp = group_size(group)
+    k, v = replicate_kv_heads(k, sp), replicate_kv_heads(v, sp)  # fewer KV heads than ranks: one per rank
+    pieces = max(1, -(-q.shape[2] * sp // chunk))
+    out = _ChunkedUlysses.apply(q, k, v, group, pieces, window, float(scale), documents)  # [B, Hq, s, D]
+    return out.transpose(1, 2)  # [B, s, Hq, D]

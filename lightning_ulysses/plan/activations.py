@@ -123,8 +123,12 @@ def _offload_shape_attention(module: Any, query: torch.Tensor, key: torch.Tensor
     """``offload_attention`` as the strategy runs it, on the meta device: the exchange (shapes), the strategy's own
     chunked attention (:mod:`lightning_ulysses.parallel.offload_attention`) with its chunk store as on CUDA (each
     chunk leaves the device when stored and comes back as a new tensor), the exchange back."""
-    from lightning_ulysses.parallel.offload_attention import offloaded_attention
+    from lightning_ulysses.parallel.exchange import is_even_split
+    from lightning_ulysses.parallel.offload_attention import chunked_ulysses_attention, offloaded_attention
 
+    if sp > 1 and is_even_split(query.shape[1], key.shape[1], sp) and value.shape[-1] == query.shape[-1]:
+        # the exchange per chunk, as the strategy runs it where the heads split evenly
+        return chunked_ulysses_attention(module, query, key, value, None, chunk, None, kwargs).contiguous(), None
     q, k, v = _ExchangeShapes.apply(query, key, value, sp) if sp > 1 else (query, key, value)  # [B, h/sp, S, D]
     out = offloaded_attention(module, q, k, v, chunk, None, kwargs)  # [B, S, hq/sp, D]
     if sp > 1:
@@ -157,19 +161,26 @@ class _HostStoreShapes:
 
 
 @contextlib.contextmanager
-def _offload_attention_on_meta(host: list[int]) -> Iterator[None]:
-    """The chunked attention's store as on CUDA (``host``: the host bytes its chunks hold at most, over the layers)
-    and its fused block kernel."""
-    from lightning_ulysses.parallel import offload_attention
+def _offload_attention_on_meta(host: list[int], sp: int) -> Iterator[None]:
+    """The chunked attention's store as on CUDA (``host``: the host bytes its chunks hold at most, over the layers),
+    its fused block kernel, and its per-chunk all-to-alls among ``sp`` ranks as the buffers they allocate."""
+    from lightning_ulysses.parallel import exchange, layout, offload_attention
+
+    def all_to_all(x: torch.Tensor, input_splits: list[int], output_splits: list[int], group: Any) -> torch.Tensor:
+        x = x.contiguous()
+        return x.new_empty((sum(output_splits), *x.shape[1:]))
 
     store = type("_Store", (_HostStoreShapes,), {"host": host, "live": [0]})
-    saved = offload_attention.ChunkStore, offload_attention.block_kernel
+    saved = (offload_attention.ChunkStore, offload_attention.block_kernel, exchange._all_to_all, layout.group_size)
     offload_attention.ChunkStore = store
     offload_attention.block_kernel = lambda q, v=None: "cpu_flash"
+    exchange._all_to_all = all_to_all
+    layout.group_size = lambda group=None: sp
     try:
         yield
     finally:
-        offload_attention.ChunkStore, offload_attention.block_kernel = saved
+        (offload_attention.ChunkStore, offload_attention.block_kernel, exchange._all_to_all,
+         layout.group_size) = saved
 
 
 @contextlib.contextmanager
@@ -405,7 +416,7 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
     joining = _HostJoinsMeta() if vision_language else contextlib.nullcontext()
     try:
         with _no_value_reads(), _grouped_experts_on_meta(), _offload_shapes(host), _ring_on_meta(ring), joining, \
-                _offload_attention_on_meta(attention_host), TensorMemoryTracker() as tracker:
+                _offload_attention_on_meta(attention_host, sp), TensorMemoryTracker() as tracker:
             model(input_ids=ids, **targets).loss.backward()
     finally:
         for hook in hooks:

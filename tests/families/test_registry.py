@@ -21,7 +21,8 @@ REGISTRY = PACKAGE / "families"
 
 # transformers' (and torch's, Lightning's) generic API: names of no family.
 GENERIC_NAMES = {"PreTrainedModel", "PretrainedConfig", "PreTrainedConfig", "GenerationMixin", "AutoConfig",
-                 "AutoModelForCausalLM", "AutoModelForSequenceClassification", "AttentionInterface",
+                 "AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoModelForImageTextToText",
+                 "AttentionInterface",
                  "DataCollatorWithFlattening", "Trainer", "DistributedSampler"}
 
 

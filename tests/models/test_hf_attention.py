@@ -27,12 +27,13 @@ PACKED = ShardInfo.__new__(ShardInfo)
     (AttentionSpec("sdpa", ring=True, documents=PACKED, window=8), 64, "ring"),
     (AttentionSpec("eager", sinks=torch.zeros(4), ring=False, window=8), 64, "sinks"),
     (AttentionSpec("sdpa", sinks=torch.zeros(4), ring=True), 64, "sinks"),
+    (AttentionSpec("sdpa", offload_chunk=16, documents=PACKED, window=8), 64, "offload"),
 ])
 def test_one_table_chooses_how_to_attend(spec, seq_len, path):
     assert attention_path(spec, seq_len) == path
 
 
 def test_every_spec_finds_a_path_and_the_table_ends_with_the_kernel_itself():
-    assert [name for name, _, _ in ATTENTION_PATHS] == ["sinks", "ring", "chunks", "documents", "flex", "sdpa",
-                                                        "kernel"]
+    assert [name for name, _, _ in ATTENTION_PATHS] == ["sinks", "ring", "offload", "chunks", "documents", "flex",
+                                                        "sdpa", "kernel"]
     assert ATTENTION_PATHS[-1][1](AttentionSpec("anything"), 1)
