@@ -135,7 +135,7 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
                 vision_grids: Optional[list[tuple[int, int, int]]] = None,
                 offload_attention: Any = False) -> MemoryPlan:
     """Predict one rank's peak memory for training a Hugging Face causal LM built from ``config`` (a
-    ``PretrainedConfig``) on rows of ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size,
+    ``PretrainedConfig``, or a built model: its config) on rows of ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size,
     stage=stage)`` on ``world_size`` ranks (default: ``sp_size``). ``precision``: Lightning's (``"bf16-mixed"`` and
     ``"bf16-true"`` both train bf16 weights under DeepSpeed); ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"`` or
     ``"sgd_momentum"``; ``reduce_bucket_size``: DeepSpeed's (Lightning's default 2e8 elements). Attention is counted
@@ -150,6 +150,11 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
     the units to the SP ranks, the busiest rank's are planned); ``offload_attention``: the strategy's (the chunks of
     each layer's attention in host memory, as on CUDA). About a second for an 8B model."""
     world_size = world_size or sp_size
+    if isinstance(config, torch.nn.Module):  # a built Hugging Face model: its config (nothing of it is touched)
+        if not hasattr(config, "config"):
+            raise ValueError(f"plan_memory takes a Hugging Face config or model; a {type(config).__name__} has no"
+                             " .config to plan from.")
+        config = config.config
     _validate(config, seq_len, sp_size, world_size, ring_size)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not {precision!r}.")

@@ -275,3 +275,11 @@ def test_a_vision_tower_is_traced_from_its_grids():
     two = plan_memory(config, 2048, sp_size=2, precision="32-true", optimizer="sgd", vision_grids=grids)
     kind = "vision tower (kept for backward)"
     assert one.step_by_kind[kind] == pytest.approx(2 * two.step_by_kind[kind], rel=0.1), (one, two)
+
+
+def test_a_built_model_is_planned_from_its_config():
+    with torch.device("meta"):
+        model = LlamaForCausalLM(CONFIG)
+    assert plan_memory(model, 2048, sp_size=2).peak == plan_memory(CONFIG, 2048, sp_size=2).peak
+    with pytest.raises(ValueError, match="has no .config to plan from"):
+        plan_memory(torch.nn.Linear(2, 2), 2048)
