@@ -31,30 +31,6 @@ MIB = 2**20
 HQ, HKV, D = 16, 4, 64
 
 
-def _host_store() -> None:
-    import torch
-
-    from lightning_ulysses.parallel import offload_attention
-
-    class HostStore:
-        offloads = True
-
-        def __init__(self, device):
-            pass
-
-        def put(self, tensor):
-            return tensor.dtype, tensor.shape, tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().copy()
-
-        def fetch(self, handle):
-            dtype, shape, host = handle
-            return torch.from_numpy(host).view(dtype).view(shape).clone()  # the copy back: a device allocation
-
-        def ready(self, fetched):
-            return fetched
-
-    offload_attention.ChunkStore = HostStore
-
-
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -62,7 +38,9 @@ def worker(args) -> None:
     from lightning_ulysses import TensorMemoryTracker, ulysses_attention
     from lightning_ulysses.parallel.offload_attention import chunked_ulysses_attention
 
-    _host_store()
+    import host_emulation
+
+    host_emulation.attention_chunks_on_a_host()
     dist.init_process_group("gloo")
     sp, rank = dist.get_world_size(), dist.get_rank()
     results = []

@@ -145,52 +145,6 @@ def _live_tensor_bytes() -> int:
     return total
 
 
-def _host_as_on_an_accelerator() -> None:
-    """Checkpoint offload as an accelerator runs it: each saved tensor's bytes leave torch (a NumPy copy, as the copy
-    to pinned host memory leaves the device's allocator) and come back as a new tensor in backward."""
-    import torch
-
-    from lightning_ulysses.models import memory
-
-    def offload():
-        def pack(tensor):
-            return tensor.dtype, tensor.shape, tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().copy()
-
-        def unpack(packed):
-            dtype, shape, host = packed
-            return torch.from_numpy(host).view(dtype).view(shape).clone()  # the copy back: a device allocation
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-    memory._offload_to_host = offload
-
-
-def _attention_chunks_on_a_host() -> None:
-    """``offload_attention``'s chunk store as on CUDA: a stored chunk's bytes leave torch (a NumPy copy) and come back
-    as a new tensor when fetched."""
-    import torch
-
-    from lightning_ulysses.parallel import offload_attention
-
-    class HostStore:
-        offloads = True
-
-        def __init__(self, device):
-            pass
-
-        def put(self, tensor):
-            return tensor.dtype, tensor.shape, tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().copy()
-
-        def fetch(self, handle):
-            dtype, shape, host = handle
-            return torch.from_numpy(host).view(dtype).view(shape).clone()  # the copy back: a device allocation
-
-        def ready(self, fetched):
-            return fetched
-
-    offload_attention.ChunkStore = HostStore
-
-
 def worker(spec: dict, result_dir: str) -> None:
     import torch
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -198,10 +152,12 @@ def worker(spec: dict, result_dir: str) -> None:
 
     from lightning_ulysses import TensorMemoryMonitor, UlyssesDeepSpeedStrategy
 
+    import host_emulation
+
     if spec.get("offload_checkpoints"):
-        _host_as_on_an_accelerator()
+        host_emulation.checkpoints_on_a_host()
     if spec.get("offload_attention"):
-        _attention_chunks_on_a_host()
+        host_emulation.attention_chunks_on_a_host()
     seq_len, steps = spec["seq_len"], 2
     losses: list[float] = []
     starts: list[int] = []

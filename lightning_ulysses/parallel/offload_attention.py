@@ -183,6 +183,17 @@ class _OffloadedAttention(torch.autograd.Function):
         return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None
 
 
+def _checked_scale(module: Any, q: torch.Tensor, kwargs: dict[str, Any]) -> float:
+    """transformers' ``scaling`` (default ``D ** -0.5``); attention dropout in training and soft-capping refused."""
+    if kwargs.get("dropout") and getattr(module, "training", False):
+        raise ValueError("Attention dropout is not supported with offload_attention; set the model's attention"
+                         " dropout to 0.")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("Attention logit soft-capping is not supported with offload_attention.")
+    scale = kwargs.get("scaling")
+    return float(scale if scale is not None else q.shape[-1] ** -0.5)
+
+
 def offloaded_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int,
                         window: Optional[int], kwargs: dict[str, Any],
                         documents: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -200,15 +211,8 @@ def offloaded_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.
     Returns:
         ``[B, S, hq, D]``.
     """
-    if kwargs.get("dropout") and getattr(module, "training", False):
-        raise ValueError("Attention dropout is not supported with offload_attention; set the model's attention"
-                         " dropout to 0.")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("Attention logit soft-capping is not supported with offload_attention.")
-    scale = kwargs.get("scaling")
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    out = _OffloadedAttention.apply(q, k, v, chunk, window, float(scale), documents)  # [B, hq, S, D]
+    scale = _checked_scale(module, q, kwargs)
+    out = _OffloadedAttention.apply(q, k, v, chunk, window, scale, documents)  # [B, hq, S, D]
     return out.transpose(1, 2)  # [B, S, hq, D]
 
 
@@ -398,20 +402,12 @@ def chunked_ulysses_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: 
     ``Hkv`` or is a multiple of it)
     -> ``[B, s, Hq, D]``. ``chunk``: positions per global chunk (each rank's piece: ``chunk / sp``);
     ``documents``: ``[B, S]`` packed-document index of every global position."""
+    from lightning_ulysses.parallel.exchange import replicate_kv_heads
     from lightning_ulysses.parallel.layout import group_size
 
-    if kwargs.get("dropout") and getattr(module, "training", False):
-        raise ValueError("Attention dropout is not supported with offload_attention; set the model's attention"
-                         " dropout to 0.")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("Attention logit soft-capping is not supported with offload_attention.")
-    scale = kwargs.get("scaling")
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    from lightning_ulysses.parallel.exchange import replicate_kv_heads
-
+    scale = _checked_scale(module, q, kwargs)
     sp = group_size(group)
     k, v = replicate_kv_heads(k, sp), replicate_kv_heads(v, sp)  # fewer KV heads than ranks: one per rank
     pieces = max(1, -(-q.shape[2] * sp // chunk))
-    out = _ChunkedUlysses.apply(q, k, v, group, pieces, window, float(scale), documents)  # [B, Hq, s, D]
+    out = _ChunkedUlysses.apply(q, k, v, group, pieces, window, scale, documents)  # [B, Hq, s, D]
     return out.transpose(1, 2)  # [B, s, Hq, D]
