@@ -43,4 +43,7 @@ def attention_chunks_on_a_host() -> None:
         def ready(self, fetched):
             return fetched
 
+        def release(self, handle):
+            pass
+
     offload_attention.ChunkStore = HostStore

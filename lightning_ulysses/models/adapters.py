@@ -19,7 +19,7 @@ the cores found before them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from torch.nn import Module
 
@@ -42,6 +42,15 @@ class PreparationSettings:
     device_type: str
     attention_modules: Sequence[ModuleSelector] = ()
     memory_features: memory.MemoryFeatures = field(default_factory=memory.MemoryFeatures)
+    attention_chunk: Optional[int] = None  # offload_attention's positions per chunk (None: off)
+
+    def hf_only_switches(self) -> list[str]:
+        """The switches on that only Hugging Face models run (the memory switches, ``offload_attention``)."""
+        features = self.memory_features
+        on = {"tiled_mlp": features.tiled_mlp, "tiled_loss": features.tiled_loss,
+              "offload_checkpoints": features.offload_checkpoints,
+              "offload_attention": self.attention_chunk is not None}
+        return [name for name, value in on.items() if value]
 
 
 class ModelAdapter:
@@ -113,6 +122,7 @@ class LitGPTModels(ModelAdapter):
     def validate(self, models: list[Module], settings: PreparationSettings) -> None:
         for model in models:
             refusals.validate_litgpt_model(model, settings.sp_size, settings.ring_size)
+        refusals.refuse_hf_only_switches("a LitGPT GPT", models, settings.hf_only_switches())
 
     def prepare(self, model: Module, context: StepContext, patches: PatchStack, settings: PreparationSettings) -> None:
         patches.apply(f"{type(model).__name__}: LitGPT attention and RoPE",
@@ -135,6 +145,8 @@ class AttentionCores(ModelAdapter):
         return [module for _, module in find_attention_cores(root, settings.attention_modules)]
 
     def validate(self, models: list[Module], settings: PreparationSettings) -> None:
+        refusals.refuse_hf_only_switches("your own attention cores (attention_modules)", models,
+                                         settings.hf_only_switches())
         if models and settings.ring_size > 1:
             raise ValueError(
                 f"attention_modules (your own attention cores) are not supported with ring_size={settings.ring_size}"

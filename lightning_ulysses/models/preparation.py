@@ -45,7 +45,7 @@ class PreparedModels:
         model is one adapter (:mod:`lightning_ulysses.models.adapters`): all are found and validated before any is
         prepared."""
         settings = PreparationSettings(context.gradients.sp_size, ring_size, device_type, tuple(attention_modules),
-                                       memory_features)
+                                       memory_features, context.attention_chunk)
         found: dict[str, list[Module]] = {}
         for adapter in ADAPTERS:
             found[adapter.kind] = adapter.find(lightning_module, settings, found)

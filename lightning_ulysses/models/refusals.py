@@ -430,3 +430,17 @@ def validate_litgpt_model(model: nn.Module, sp_size: int, ring_size: int) -> Non
             " LitGPT's kernel over the whole sequence on this rank's heads and cannot split another one. Supported:"
             " litgpt.model.GPT (full fine-tuning, pretraining) and litgpt.lora.GPT (LoRA)."
         )
+
+
+def refuse_hf_only_switches(what: str, models: list[nn.Module], switches: list[str]) -> None:
+    """The memory switches and ``offload_attention`` are run by the strategy inside Hugging Face models only (their
+    MLPs, their loss, their attention functions, their checkpointing): with another kind of model they would do
+    nothing while the run believes them on. Refused before compute, naming them."""
+    if models and switches:
+        names = sorted({type(model).__name__ for model in models})
+        raise ValueError(
+            f"{', '.join(switches)} {'is' if len(switches) == 1 else 'are'} run inside Hugging Face models only;"
+            f" this module has {what} ({', '.join(names)}), which would train without {'it' if len(switches) == 1 else 'them'}."
+            f" Turn {', '.join(f'{name}' for name in switches)} off, or use the transformers model of the same"
+            " family."
+        )

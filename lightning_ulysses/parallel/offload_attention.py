@@ -80,6 +80,10 @@ class ChunkStore:
         back.record_stream(torch.cuda.current_stream(back.device))
         return back
 
+    def release(self, handle: Any) -> None:
+        """A stored chunk that will not be fetched again (an accumulator stored anew): its host copy goes with the
+        last reference to ``handle``; nothing to wait for."""
+
 
 def _bounds(length: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
@@ -336,16 +340,13 @@ class _ChunkedUlysses(torch.autograd.Function):
             q_i = store.ready(store.fetch(queries[i]))  # [B, h, c, D]
             acc = torch.zeros((*q_i.shape[:3], v.shape[-1]), dtype=acc_dtype, device=q.device)
             acc_lse = torch.full(q_i.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
-            fetched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            for j, qs, ks, causal, mask in _chunk_blocks(pieces, i, s, sp, window, documents, q.device):
-                if j not in fetched:  # one key chunk on the device at a time
-                    fetched = {j: (_expand_heads(store.ready(store.fetch(saved["k"][j])), groups, kernel_dtype),
-                                   _expand_heads(store.ready(store.fetch(saved["v"][j])), groups, kernel_dtype))}
-                k_j, v_j = fetched[j]
-                out_b, lse_b = _block_forward(q_i[:, :, qs], k_j[:, :, ks], v_j[:, :, ks], causal, mask, scale,
-                                              kernel)
-                _merge(acc[:, :, qs], acc_lse[:, :, qs], out_b, lse_b.to(acc_dtype))
-            del fetched
+            for j, blocks, k_j, v_j in _key_chunks(store, saved, _chunk_blocks(pieces, i, s, sp, window, documents,
+                                                                               q.device)):
+                k_j, v_j = _expand_heads(k_j, groups, kernel_dtype), _expand_heads(v_j, groups, kernel_dtype)
+                for qs, ks, causal, mask in blocks:
+                    out_b, lse_b = _block_forward(q_i[:, :, qs], k_j[:, :, ks], v_j[:, :, ks], causal, mask, scale,
+                                                  kernel)
+                    _merge(acc[:, :, qs], acc_lse[:, :, qs], out_b, lse_b.to(acc_dtype))
             out_i = acc.to(kernel_dtype)  # [B, h, c, D]: every query sees at least itself
             out[:, :, a:b] = _to_sequence_shards([out_i.to(q.dtype)], group)[0]  # [B, Hq, p, D]
             saved["q"].append(queries[i])
@@ -362,36 +363,71 @@ class _ChunkedUlysses(torch.autograd.Function):
         B, Hq, _, D = grad_out.shape
         device = grad_out.device
         dq = torch.empty((B, Hq, s, D), dtype=q_dtype, device=device)
-        dk_chunks: list[Optional[torch.Tensor]] = [None] * len(pieces)  # [B, hkv, c, D] each, accumulated
-        dv_chunks: list[Optional[torch.Tensor]] = [None] * len(pieces)
+        # each key chunk's gradients, [B, hkv, c, D] in the accumulation dtype, wait in the store between the query
+        # chunks that add to them (no rank holds them for the whole sequence of its heads)
+        saved["dk"], saved["dv"] = [None] * len(pieces), [None] * len(pieces)
         for i, (a, b) in enumerate(pieces):
             dout_i = _to_head_shards([grad_out[:, :, a:b]], group)[0].to(kernel_dtype).contiguous()  # [B, h, c, D]
             q_i, out_i, lse_i = (store.ready(store.fetch(saved[name][i])) for name in ("q", "out", "lse"))
             dq_i = torch.zeros(q_i.shape, dtype=acc_dtype, device=device)
-            fetched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            for j, qs, ks, causal, mask in _chunk_blocks(pieces, i, s, sp, window, ctx.documents, device):
-                if j not in fetched:  # one key chunk on the device at a time
-                    k_j, v_j = store.ready(store.fetch(saved["k"][j])), store.ready(store.fetch(saved["v"][j]))
-                    fetched = {j: (_expand_heads(k_j, groups, kernel_dtype), _expand_heads(v_j, groups, kernel_dtype))}
-                    if dk_chunks[j] is None:
-                        dk_chunks[j] = torch.zeros(k_j.shape, dtype=acc_dtype, device=device)
-                        dv_chunks[j] = torch.zeros(v_j.shape, dtype=acc_dtype, device=device)
-                kx, vx = fetched[j]
-                hkv, width = dk_chunks[j].shape[1], ks.stop - ks.start
-                dq_b, dk_b, dv_b = _block_backward(dout_i[:, :, qs], q_i[:, :, qs], kx[:, :, ks], vx[:, :, ks],
-                                                   out_i[:, :, qs], lse_i[:, :, qs], causal, mask, scale, kernel)
-                dq_i[:, :, qs] += dq_b
-                dk_chunks[j][:, :, ks] += dk_b.view(B, hkv, groups, width, -1).sum(2)
-                dv_chunks[j][:, :, ks] += dv_b.view(B, hkv, groups, width, -1).sum(2)
-            del fetched
+            blocks_of = _chunk_blocks(pieces, i, s, sp, window, ctx.documents, device)
+            for j, blocks, k_j, v_j, dk_j, dv_j in _key_chunks(store, saved, blocks_of, gradients=acc_dtype):
+                kx, vx = _expand_heads(k_j, groups, kernel_dtype), _expand_heads(v_j, groups, kernel_dtype)
+                hkv = dk_j.shape[1]
+                for qs, ks, causal, mask in blocks:
+                    width = ks.stop - ks.start
+                    dq_b, dk_b, dv_b = _block_backward(dout_i[:, :, qs], q_i[:, :, qs], kx[:, :, ks], vx[:, :, ks],
+                                                       out_i[:, :, qs], lse_i[:, :, qs], causal, mask, scale, kernel)
+                    dq_i[:, :, qs] += dq_b
+                    dk_j[:, :, ks] += dk_b.view(B, hkv, groups, width, -1).sum(2)
+                    dv_j[:, :, ks] += dv_b.view(B, hkv, groups, width, -1).sum(2)
+                for name, grad in (("dk", dk_j), ("dv", dv_j)):
+                    if saved[name][j] is not None:
+                        store.release(saved[name][j])
+                    saved[name][j] = store.put(grad)
             dq[:, :, a:b] = _to_sequence_shards([dq_i.to(q_dtype)], group)[0]
-        dk = torch.empty((B, dk_chunks[0].shape[1] * sp, s, D), dtype=k_dtype, device=device)
-        dv = torch.empty((B, dv_chunks[0].shape[1] * sp, s, dv_chunks[0].shape[-1]), dtype=v_dtype, device=device)
+        dk = dv = None
+        incoming = store.fetch(saved["dk"][0]), store.fetch(saved["dv"][0])
         for j, (a, b) in enumerate(pieces):  # every key chunk's gradients back to the sequence shards
-            dk[:, :, a:b], dv[:, :, a:b] = _to_sequence_shards([dk_chunks[j].to(k_dtype), dv_chunks[j].to(v_dtype)],
-                                                               group)
+            dk_j, dv_j = store.ready(incoming[0]), store.ready(incoming[1])  # [B, hkv, c, D]
+            if j + 1 < len(pieces):  # the next chunk's gradients travel while this one is exchanged
+                incoming = store.fetch(saved["dk"][j + 1]), store.fetch(saved["dv"][j + 1])
+            dk_s, dv_s = _to_sequence_shards([dk_j.to(k_dtype), dv_j.to(v_dtype)], group)  # [B, Hkv, p, D]
+            if dk is None:
+                dk = dk_s.new_empty((B, dk_s.shape[1], s, dk_s.shape[-1]))
+                dv = dv_s.new_empty((B, dv_s.shape[1], s, dv_s.shape[-1]))
+            dk[:, :, a:b], dv[:, :, a:b] = dk_s, dv_s
         ctx.saved = None
         return dq, dk, dv, None, None, None, None, None
+
+
+def _key_chunks(store: ChunkStore, saved: dict[str, list], blocks: Iterator[tuple], gradients: Optional[torch.dtype]
+                = None) -> Iterator[tuple]:
+    """The blocks of :func:`_chunk_blocks` grouped by key chunk, each key chunk's keys and values fetched from the
+    store one chunk ahead (the next chunk travels while this one is computed): ``(j, [(query slice, key slice, causal,
+    mask), ...], k_j, v_j)``, and with ``gradients`` (backward) also ``dk_j, dv_j``: the chunk's accumulated
+    gradients so far (from the store, or zeros of that dtype on first use), to be stored again by the caller."""
+    grouped: dict[int, list] = {}
+    for j, qs, ks, causal, mask in blocks:
+        grouped.setdefault(j, []).append((qs, ks, causal, mask))
+    order = list(grouped)
+
+    def fetch(j: int) -> tuple:
+        names = ("k", "v") + (("dk", "dv") if gradients is not None else ())
+        return tuple(None if saved[name][j] is None else store.fetch(saved[name][j]) for name in names)
+
+    incoming = fetch(order[0]) if order else ()
+    for n, j in enumerate(order):
+        arrived = [None if f is None else store.ready(f) for f in incoming]
+        if n + 1 < len(order):
+            incoming = fetch(order[n + 1])
+        k_j, v_j = arrived[0], arrived[1]  # [B, hkv, c, D]
+        if gradients is None:
+            yield j, grouped[j], k_j, v_j
+            continue
+        dk_j = arrived[2] if arrived[2] is not None else torch.zeros(k_j.shape, dtype=gradients, device=k_j.device)
+        dv_j = arrived[3] if arrived[3] is not None else torch.zeros(v_j.shape, dtype=gradients, device=v_j.device)
+        yield j, grouped[j], k_j, v_j, dk_j, dv_j
 
 
 def chunked_ulysses_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,

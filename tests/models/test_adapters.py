@@ -49,6 +49,35 @@ def test_an_adapter_refuses_before_compute():
                                      PreparationSettings(sp_size=4, ring_size=1, device_type="cpu"))
 
 
+@pytest.mark.parametrize("switches,named", [({"memory_features": "tiled_mlp"}, "tiled_mlp"),
+                                             ({"attention_chunk": 4096}, "offload_attention"),
+                                             ({"memory_features": "offload_checkpoints"}, "offload_checkpoints")])
+def test_switches_only_hugging_face_models_run_are_refused_for_other_models(switches, named):
+    """The memory switches and offload_attention run inside Hugging Face models only: with a LitGPT GPT or own
+    attention cores they would silently do nothing (found so: LitGPT with tiled_mlp trained without tiling)."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    from lightning_ulysses.models.memory import MemoryFeatures
+
+    feature = switches.get("memory_features")
+    settings = PreparationSettings(
+        sp_size=2, ring_size=1, device_type="cpu", attention_modules=[SDPACore],
+        memory_features=MemoryFeatures(**({feature: True if feature == "offload_checkpoints" else "auto"}
+                                          if feature else {})),
+        attention_chunk=switches.get("attention_chunk"))
+    gpt = GPT(Config(block_size=32, vocab_size=64, padded_vocab_size=64, n_layer=1, n_head=4, n_embd=32))
+    with pytest.raises(ValueError, match=f"{named} is run inside Hugging Face models only.*LitGPT GPT.*Turn {named}"):
+        LitGPTModels().validate([gpt], settings)
+    with pytest.raises(ValueError, match=f"{named} is run inside Hugging Face models only.*own attention cores"):
+        AttentionCores().validate([SDPACore()], settings)
+    HuggingFaceModels().validate([build_llama(tiny_llama_config())], settings)  # what runs them
+    LitGPTModels().validate([], settings)  # no such model: nothing to refuse
+    plain = PreparationSettings(sp_size=2, ring_size=1, device_type="cpu")
+    LitGPTModels().validate([gpt], plain)
+    AttentionCores().validate([SDPACore()], plain)
+
+
 def test_the_model_form_check_probes_what_each_adapter_names():
     llama = build_llama(tiny_llama_config())
     assert HuggingFaceModels().probe_targets(llama) == [(llama, form_check.whole_hf_call, form_check.sharded_hf_call)]

@@ -283,3 +283,20 @@ def test_a_built_model_is_planned_from_its_config():
     assert plan_memory(model, 2048, sp_size=2).peak == plan_memory(CONFIG, 2048, sp_size=2).peak
     with pytest.raises(ValueError, match="has no .config to plan from"):
         plan_memory(torch.nn.Linear(2, 2), 2048)
+
+
+@pytest.mark.parametrize("sp,tokens,chunk", [(2, 2048, 512), (4, 1024, 512), (2, 1500, 1000), (1, 4096, 1024)])
+def test_offload_attention_traced_on_its_nearest_blocks_has_every_blocks_peak(monkeypatch, sp, tokens, chunk):
+    """The planner traces ``offload_attention`` on each query chunk's two nearest key chunks (fast: ~4 kernel calls
+    per chunk); its peak and host bytes must be those of the trace over every block. sp 2 and 4: the exchange per
+    chunk (1500 tokens per rank in pieces of 500: a short last piece); sp 1: the chunks of the whole sequence."""
+    from lightning_ulysses.plan import activations
+
+    config = LlamaConfig(**{**CONFIG.to_dict(), "num_hidden_layers": 1})
+    kwargs = dict(sp=sp, attention_chunk=chunk, gradients_leave=True, offload_checkpoints=True, tiled_loss="auto")
+    sampled = trace_step(config, tokens, **kwargs)
+    monkeypatch.setattr(activations, "SAMPLE_CHUNK_BLOCKS", False)
+    every = trace_step(config, tokens, **kwargs)
+    assert (sampled.peak, sampled.host) == (every.peak, every.host)
+    assert sampled.peak < trace_step(config, tokens, sp=sp, gradients_leave=True, offload_checkpoints=True,
+                                     tiled_loss="auto").peak
