@@ -24,6 +24,10 @@ from lightning_ulysses.plan.planner import DEVICES, GIB, longest_sequence, plan_
 def _config(args: argparse.Namespace) -> Any:
     from transformers import AutoConfig
 
+    if args.litgpt:  # a LitGPT model: a name LitGPT knows (its configs ship with it) or a model_config.yaml
+        from litgpt.config import Config
+
+        return Config.from_file(args.litgpt) if Path(args.litgpt).is_file() else Config.from_name(args.litgpt)
     if args.config:
         path = Path(args.config)
         if path.is_dir():
@@ -31,7 +35,7 @@ def _config(args: argparse.Namespace) -> Any:
         values = json.loads(path.read_text())
         return AutoConfig.for_model(values.pop("model_type"), **values)
     if not args.model_type:
-        raise SystemExit("give --config (a config.json or a folder with one) or --model-type with sizes")
+        raise SystemExit("give --config (a config.json or a folder with one), --litgpt, or --model-type with sizes")
     sizes = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
              "num_key_value_heads": args.kv_heads, "intermediate_size": args.intermediate_size,
              "vocab_size": args.vocab_size}
@@ -46,6 +50,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_ulysses.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="a transformers config.json, or a folder holding one")
     parser.add_argument("--model-type", help="a transformers model type (with the sizes below)")
+    parser.add_argument("--litgpt", help="a LitGPT model: a name LitGPT knows (e.g. Llama-3.1-8B) or a"
+                                         " model_config.yaml")
     for flag in ("--hidden-size", "--layers", "--heads", "--kv-heads", "--intermediate-size", "--vocab-size"):
         parser.add_argument(flag, type=int)
     parser.add_argument("--seq-len", type=int, required=True, help="tokens per row")

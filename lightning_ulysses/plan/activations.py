@@ -489,3 +489,55 @@ def _module_numels(model: torch.nn.Module) -> tuple[tuple[int, ...], ...]:
         if own:
             found.append(tuple(p.numel() for p in own))
     return tuple(found)
+
+
+def is_litgpt_config(config: Any) -> bool:
+    """A LitGPT ``Config`` (``litgpt.config.Config``), not a Hugging Face one."""
+    return any(cls.__module__ == "litgpt.config" and cls.__name__ == "Config" for cls in type(config).__mro__)
+
+
+def trace_litgpt_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32, sp: int = 1,
+                      gradient_buffer_bytes: int = 0, gradients_leave: bool = False) -> TracedStep:
+    """:func:`trace_step` for LitGPT's ``GPT`` built from a LitGPT ``Config`` as the strategy runs it
+    (:mod:`lightning_ulysses.models.litgpt`): every block's ``scaled_dot_product_attention`` is the Ulysses exchange
+    around a flash kernel (``q, k, v [B, n_head, s, hs]``, keys and values already expanded to ``n_head`` by LitGPT),
+    the loss LitGPT's pretraining takes (cross-entropy over the logits, ``[B, s, padded_vocab_size]``). The RoPE
+    cache (``cos``/``sin``, ``[block_size, rope_n_elem]``, a model buffer) counts with the step's allocations."""
+    from litgpt.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(config).to(dtype)
+    model.train()
+    for block in model.transformer.h:
+        block.attn.scaled_dot_product_attention = (  # type: ignore[method-assign]
+            lambda q, k, v, mask=None: _FlashShapes.apply(q, k, v, sp).transpose(1, 2))  # [B, s, n_head, hs]
+    ids = torch.zeros((batch_size, tokens), dtype=torch.long, device="meta")
+    buffers: list[torch.Tensor] = []
+
+    def first_gradient(param: torch.Tensor) -> None:
+        if gradient_buffer_bytes and not buffers:
+            buffers.append(torch.empty(-(-gradient_buffer_bytes // 4), dtype=torch.float32, device="meta"))
+        if gradients_leave:
+            param.grad = None
+
+    hooks = [p.register_post_accumulate_grad_hook(first_gradient) for p in model.parameters() if p.requires_grad]
+    rope_cache = sum(b.numel() * b.element_size() for b in (model.cos, model.sin))
+    try:
+        with TensorMemoryTracker() as tracker:
+            logits = model(ids)  # [B, s, V]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+            del logits
+            loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    step = tracker.result()
+    by_kind = dict(step.by_kind)
+    by_kind["RoPE cache (cos, sin)"] = rope_cache
+    layers = model.transformer.h
+    return TracedStep(step.peak_bytes + rope_cache, by_kind, dict(step.by_layer),
+                      sum(p.numel() for p in model.parameters()),
+                      sum(p.numel() for p in model.parameters() if p.requires_grad),
+                      tuple(p.numel() for p in model.parameters()),
+                      max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
+                      0, _module_numels(model), 0)

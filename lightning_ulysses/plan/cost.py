@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_ulysses.plan.planner import DEVICES, PRECISIONS, Device, MemoryPlan, _validate, plan_memory
+from lightning_ulysses.plan.activations import is_litgpt_config
 
 # per device, bytes per second and direction: NVLink inside a node, the network between nodes (one 400 Gb/s NIC each)
 LINKS = {"h100": (450e9, 50e9), "h200": (450e9, 50e9), "a100-80gb": (300e9, 25e9), "a100-40gb": (300e9, 25e9),
@@ -111,6 +112,8 @@ def step_cost(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Option
     trainable weight (ZeRO's traffic; default: the matmul weights plus the embedding); ``ring_size``: the strategy's.
     A vision-language model's step counts its language model (the vision tower's FLOPs are not added)."""
     world_size = world_size or sp_size
+    if is_litgpt_config(config):
+        raise ValueError("The step cost reads Hugging Face configs; for a LitGPT model only its memory is planned.")
     _validate(config, seq_len, sp_size, world_size, ring_size)
     if getattr(config, "vision_config", None) is not None:  # a vision-language model: its language model's step
         config = config.text_config

@@ -17,7 +17,8 @@ from typing import Any, Optional
 import torch
 
 from lightning_ulysses.parallel.offload_attention import chunk_length
-from lightning_ulysses.plan.activations import rank_vision_units, trace_step
+from lightning_ulysses.plan.activations import (is_litgpt_config, rank_vision_units, trace_litgpt_step,
+                                                trace_step)
 from lightning_ulysses.plan.states import ModelStates, model_states
 
 PRECISIONS = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": torch.bfloat16,
@@ -135,7 +136,8 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
                 vision_grids: Optional[list[tuple[int, int, int]]] = None,
                 offload_attention: Any = False) -> MemoryPlan:
     """Predict one rank's peak memory for training a Hugging Face causal LM built from ``config`` (a
-    ``PretrainedConfig``, or a built model: its config) on rows of ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size,
+    ``PretrainedConfig``, or a built model: its config; or LitGPT's ``GPT`` from a ``litgpt.config.Config`` or a built
+    ``GPT``, planned as the strategy runs it: Ulysses attention, LitGPT's cross-entropy over the logits) on rows of ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size,
     stage=stage)`` on ``world_size`` ranks (default: ``sp_size``). ``precision``: Lightning's (``"bf16-mixed"`` and
     ``"bf16-true"`` both train bf16 weights under DeepSpeed); ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"`` or
     ``"sgd_momentum"``; ``reduce_bucket_size``: DeepSpeed's (Lightning's default 2e8 elements). Attention is counted
@@ -158,12 +160,19 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
     _validate(config, seq_len, sp_size, world_size, ring_size)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not {precision!r}.")
+    litgpt = is_litgpt_config(config)
+    if litgpt:
+        _validate_litgpt(config, seq_len, sp_size, ring_size, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
+                         offload_checkpoints=offload_checkpoints, gradient_checkpointing=gradient_checkpointing,
+                         offload_attention=offload_attention, vision_grids=vision_grids)
     dtype = PRECISIONS[precision]
     param_bytes = torch.finfo(dtype).bits // 8
     pad = sp_size if ring_size == 1 else 2 * sp_size  # rows padded to a multiple of sp (2·sp: the ring's zigzag)
     shard = math.ceil(seq_len / pad) * pad // sp_size
     buckets = 2 * reduce_bucket_size * param_bytes if stage in (1, 2) else 0  # ZeRO 1/2: two, from the first gradient
-    traced = trace_step(config, shard, micro_batch, dtype, sp_size, gradient_buffer_bytes=buckets,
+    traced = trace_litgpt_step(config, shard, micro_batch, dtype, sp_size, gradient_buffer_bytes=buckets,
+                               gradients_leave=stage >= 1) if litgpt else trace_step(
+                        config, shard, micro_batch, dtype, sp_size, gradient_buffer_bytes=buckets,
                         gradients_leave=stage >= 1, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
                         offload_checkpoints=offload_checkpoints, gradient_checkpointing=gradient_checkpointing,
                         ring=ring_size,
@@ -184,6 +193,25 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
                 * param_bytes if stage == 3 else 0)
     return MemoryPlan(seq_len, sp_size, world_size, stage, precision, micro_batch, states, step, by_kind, gathered,
                       reserved_bytes, traced.parameters, traced.host, ring_size)
+
+
+def _validate_litgpt(config: Any, seq_len: int, sp_size: int, ring_size: int, **switches: Any) -> None:
+    """What the strategy refuses for a LitGPT ``GPT`` (:func:`~lightning_ulysses.models.refusals.validate_litgpt_model`
+    and the switches Hugging Face models alone run), refused here before planning it."""
+    if ring_size > 1:
+        raise ValueError("LitGPT models are supported with ring_size=1 (Ulysses) only.")
+    if config.n_head < sp_size:
+        raise ValueError(f"A LitGPT model with n_head={config.n_head} has fewer heads than sp_size={sp_size}.")
+    if seq_len > config.block_size:
+        raise ValueError(f"seq_len {seq_len} is longer than the LitGPT config's block_size {config.block_size} (its RoPE"
+                         " cache's rows, which the strategy reads at the shard's global positions): set block_size to"
+                         " the sequence length at least.")
+    if getattr(config, "sliding_window_size", None):
+        raise ValueError("LitGPT models with sliding-window layers are not supported under sequence parallelism yet.")
+    on = [name for name, value in switches.items() if value]
+    if on:
+        raise ValueError(f"{', '.join(on)}: run inside Hugging Face models only; the strategy refuses them for a"
+                         " LitGPT GPT.")
 
 
 def zero3_gathered_elements(module_numels: tuple[tuple[int, ...], ...], persistence_threshold: int,

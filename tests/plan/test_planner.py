@@ -300,3 +300,54 @@ def test_offload_attention_traced_on_its_nearest_blocks_has_every_blocks_peak(mo
     assert (sampled.peak, sampled.host) == (every.peak, every.host)
     assert sampled.peak < trace_step(config, tokens, sp=sp, gradients_leave=True, offload_checkpoints=True,
                                      tiled_loss="auto").peak
+
+
+def test_a_litgpt_config_is_planned_as_its_real_step():
+    """LitGPT's GPT from a LitGPT Config: the meta trace against the real CPU step (SDPA's flash kernel for CPU,
+    LitGPT's cross-entropy over the logits), counted by the same tracker; the RoPE cache (a model buffer the real
+    step does not allocate) is the one difference. Under SP the step is a rank's; what the strategy refuses for
+    LitGPT is refused by the plan."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    config = Config(block_size=4096, vocab_size=1000, padded_vocab_size=1024, n_layer=2, n_head=8, n_query_groups=2,
+                    n_embd=128, intermediate_size=352, mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm",
+                    bias=False, rotary_percentage=1.0, parallel_residual=False)
+    torch.manual_seed(0)
+    model = GPT(config)
+    ids = torch.randint(0, config.vocab_size, (1, 1024))
+    with TensorMemoryTracker() as tracker:
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+        del logits
+        loss.backward()
+    from lightning_ulysses.plan.activations import trace_litgpt_step
+
+    traced = trace_litgpt_step(config, 1024)
+    rope = traced.by_kind["RoPE cache (cos, sin)"]
+    assert rope == 2 * 4096 * 16 * 4  # block_size x rope_n_elem, float32, cos and sin
+    # CPU's flash kernel returns [B, n_head, T, hs] (GPU kernels: [B, T, n_head, hs], as the plan's): LitGPT's reshape
+    # after its transpose copies it: one [T, n_embd] tensor more per layer (the copy the output projection keeps)
+    assert tracker.result().peak_bytes - (traced.peak - rope) == config.n_layer * 1024 * 128 * 4
+    assert traced.parameters == sum(p.numel() for p in model.parameters())
+    # planned from the config and from the built model alike; sp 2 halves the step's activations
+    one = plan_memory(config, 2048, sp_size=1, stage=2, precision="32-true", reduce_bucket_size=100_000)
+    assert plan_memory(model, 2048, sp_size=1, stage=2, precision="32-true", reduce_bucket_size=100_000) == one
+    two = plan_memory(config, 2048, sp_size=2, stage=2, precision="32-true", reduce_bucket_size=100_000)
+    assert two.step < 0.6 * one.step
+    for refused, match in (({"ring_size": 2}, "ring_size=1"), ({"tiled_mlp": "auto"}, "tiled_mlp.*LitGPT"),
+                           ({"offload_attention": True}, "offload_attention.*LitGPT")):
+        with pytest.raises(ValueError, match=match):
+            plan_memory(config, 2048, **{"sp_size": 2, **refused})
+    with pytest.raises(ValueError, match="fewer heads than sp_size=16"):
+        plan_memory(config, 4096, sp_size=16)
+
+
+def test_the_command_plans_a_litgpt_model_by_name(capsys):
+    assert main(["--litgpt", "pythia-14m", "--seq-len", "512", "--sp", "1", "2", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert [p["sp_size"] for p in plans] == [1, 2] and plans[1]["step"] < plans[0]["step"]
+    assert plans[0]["parameters"] == 14_067_712  # LitGPT's pythia-14m (untied embedding and head, padded vocab)
+    assert "LitGPT" in plans[0]["step_cost"]  # no step cost for LitGPT configs (said so)
+    assert main(["--litgpt", "pythia-14m", "--seq-len", "4096", "--sp", "2", "--json"]) == 0
+    assert "longer than the LitGPT config's block_size 512" in json.loads(capsys.readouterr().out)[0]["error"]
