@@ -278,6 +278,131 @@ def _no_value_reads() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
+# ------------------------------------------------------------------------------------- gated delta rules, calibrated
+# transformers' torch fallback of the chunked gated delta rule (hybrid models without flash-linear-attention, what a
+# CPU runs) loops over 64-token chunks: traced op by op on the meta device it is most of a hybrid's plan (90 s for a
+# 24-layer model at 16K tokens per rank). Its memory is linear in the chunk count (per-chunk tensors, a constant
+# recurrent state), so it is traced for real at two small lengths (3 and 5 chunks), and each call of the plan runs an autograd function
+# that allocates, frees and keeps what the line through those two says, in the same order
+# (tests/plan/test_planner.py checks the line against a third, longer trace).
+_DELTA_RULE = "torch_chunk_gated_delta_rule"
+_CALIBRATION_CHUNKS = (3, 5)  # from 3 chunks on every part is linear (at 2 the backward is not)
+_delta_rule_lines: dict[tuple, tuple[float, ...]] = {}
+
+
+def _bytes(*tensors: Optional[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _delta_rule_memory(original: Callable[..., Any], chunks: int, like: tuple, chunk_size: int,
+                       flags: dict[str, Any]) -> tuple[int, int, int]:
+    """One real trace of the fallback over ``chunks`` chunks (inputs shaped ``like`` but for the length): bytes it
+    keeps after forward besides its outputs, its forward's transient peak above that, and its backward's transient
+    peak above the input gradients (the kept bytes alive until backward ends, as the plan's function keeps them)."""
+    tokens = chunks * chunk_size
+    inputs = [torch.empty((t[0], tokens, *t[2][2:]), dtype=t[1], device="meta", requires_grad=t[3]) for t in like]
+    with torch.utils._python_dispatch._disable_current_modes(), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.enable_grad(), \
+            TensorMemoryTracker() as tracker:
+        out, state = original(*inputs, chunk_size=chunk_size, **flags)
+        forward_peak, forward_end = tracker._peak.peak_bytes, tracker._current
+        kept = forward_end - _bytes(out, state)
+        grad = torch.empty_like(out)
+        start = tracker._current
+        tracker._peak.peak_bytes = start
+        torch.autograd.backward(out, grad)
+        input_grads = _bytes(*(t for t in inputs if t.requires_grad))
+        backward_transient = tracker._peak.peak_bytes - start - input_grads
+        del out, state, grad
+    return kept, forward_peak - forward_end, backward_transient
+
+
+class _CalibratedDeltaRule(torch.autograd.Function):
+    """The fallback's memory, by its calibrated line (see above): ``kept`` bytes saved for backward, transients
+    allocated and freed, outputs and input gradients of their real shapes."""
+
+    @staticmethod
+    def forward(ctx, sizes: tuple[int, int, int], out_like: tuple, state_like: Optional[tuple],  # type: ignore[override]
+                *inputs: torch.Tensor) -> Any:
+        kept, forward_transient, backward_transient = sizes
+        device = inputs[0].device
+        blob = torch.empty(-(-kept // 4), dtype=torch.float32, device=device)
+        out = torch.empty(out_like[0], dtype=out_like[1], device=device)
+        state = torch.empty(state_like[0], dtype=state_like[1], device=device) if state_like else None
+        transient = torch.empty(-(-forward_transient // 4), dtype=torch.float32, device=device)
+        del transient
+        ctx.save_for_backward(blob)
+        ctx.backward_transient = backward_transient
+        ctx.inputs_like = [(t.shape, t.dtype) for t in inputs]
+        ctx.mark_non_differentiable(*([state] if state is not None else []))
+        return (out, state) if state is not None else out
+
+    @staticmethod
+    def backward(ctx, *grads: Any) -> Any:  # type: ignore[override]
+        (blob,) = ctx.saved_tensors
+        device = blob.device
+        input_grads = [torch.empty(shape, dtype=dtype, device=device) if ctx.needs_input_grad[3 + i] else None
+                       for i, (shape, dtype) in enumerate(ctx.inputs_like)]
+        transient = torch.empty(-(-ctx.backward_transient // 4), dtype=torch.float32, device=device)
+        del transient, blob
+        return (None, None, None, *input_grads)
+
+
+def _calibrated_delta_rule(original: Callable[..., Any]) -> Callable[..., Any]:
+    def planned(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                chunk_size: int = 64, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                use_qk_l2norm_in_kernel: bool = False, **kwargs: Any) -> Any:
+        inputs = (query, key, value, g, beta)
+        chunks = -(-query.shape[1] // chunk_size)
+        if (initial_state is not None or kwargs.get("cu_seqlens") is not None
+                or chunks <= _CALIBRATION_CHUNKS[-1] or query.device.type != "meta"):
+            return original(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            **kwargs)
+        flags = {"output_final_state": output_final_state, "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel}
+        like = tuple((t.shape[0], t.dtype, tuple(t.shape), t.requires_grad) for t in inputs)
+        signature = (original, tuple((b, d, shape[2:], r) for b, d, shape, r in like), chunk_size,
+                     tuple(sorted(flags.items())))
+        if signature not in _delta_rule_lines:
+            (n1, n2) = _CALIBRATION_CHUNKS
+            first = _delta_rule_memory(original, n1, like, chunk_size, flags)
+            second = _delta_rule_memory(original, n2, like, chunk_size, flags)
+            _delta_rule_lines[signature] = tuple(v for a, b in zip(first, second)
+                                                 for v in (a, (b - a) / (n2 - n1)))
+        line = _delta_rule_lines[signature]
+        n1 = _CALIBRATION_CHUNKS[0]
+        sizes = tuple(max(0, int(round(line[2 * i] + line[2 * i + 1] * (chunks - n1)))) for i in range(3))
+        B, S, _, _ = query.shape
+        out_like = ((B, S, value.shape[2], value.shape[3]), query.dtype)
+        state_like = (((B, value.shape[2], key.shape[3], value.shape[3]), torch.float32) if output_final_state
+                      else None)
+        found = _CalibratedDeltaRule.apply(sizes, out_like, state_like, *inputs)
+        return found if state_like is not None else (found, None)
+
+    return planned
+
+
+@contextlib.contextmanager
+def _delta_rules_calibrated(model: torch.nn.Module) -> Iterator[None]:
+    """The gated delta rule's torch fallback of ``model``'s modeling modules, by calibration (see above)."""
+    import sys
+
+    patched = []
+    for name in {type(module).__module__ for module in model.modules()}:
+        modeling = sys.modules.get(name)
+        original = getattr(modeling, _DELTA_RULE, None)
+        if original is not None and not getattr(original, "_planned", False):
+            planned = _calibrated_delta_rule(original)
+            planned._planned = True  # type: ignore[attr-defined]
+            setattr(modeling, _DELTA_RULE, planned)
+            patched.append((modeling, original))
+    try:
+        yield
+    finally:
+        for modeling, original in patched:
+            setattr(modeling, _DELTA_RULE, original)
+
+
 @contextlib.contextmanager
 def _grouped_experts_on_meta() -> Iterator[None]:
     """transformers' fused experts (``gate_up_proj`` [E, ...]) multiply with torch's grouped matmul, whose meta kernel
@@ -458,7 +583,8 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
     vision = _vision_tower_kept(model, vision_units, _register(1)) if vision_language and vision_units else 0
     joining = _HostJoinsMeta() if vision_language else contextlib.nullcontext()
     try:
-        with _no_value_reads(), _grouped_experts_on_meta(), _offload_shapes(host), _ring_on_meta(ring), joining, \
+        with _no_value_reads(), _grouped_experts_on_meta(), _delta_rules_calibrated(model), _offload_shapes(host), \
+                _ring_on_meta(ring), joining, \
                 _offload_attention_on_meta(attention_host, sp), TensorMemoryTracker() as tracker:
             model(input_ids=ids, **targets).loss.backward()
     finally:
