@@ -50,8 +50,16 @@ def _planned_ring_alst_peak(stage: int) -> int:
                        optimizer="sgd", tiled_mlp="auto", tiled_loss="auto", offload_checkpoints=True).peak
 
 
+def _planned_hybrid_peak() -> int:
+    from tests.support.architectures import build_config
+
+    return plan_memory(build_config("qwen3_5_text"), 64, sp_size=2, stage=2, precision="32-true", optimizer="sgd").peak
+
+
 CASES = [
     {"name": "stop_zero2", "stage": 2, "strategy": {"memory_budget": 1 << 20}},
+    {"name": "stop_hybrid", "stage": 2, "model": "hybrid", "strategy": {"memory_budget": 1 << 20}},
+    {"name": "fits_hybrid", "stage": 2, "model": "hybrid", "strategy": {"memory_budget": 2 * _planned_hybrid_peak()}},
     {"name": "stop_ring_alst", "stage": 2, "strategy": {**RING_ALST, "memory_budget": 1 << 20}},
     {"name": "fits_ring_alst", "stage": 3, "strategy": {**RING_ALST, "memory_budget": 2 * _planned_ring_alst_peak(3)}},
     {"name": "warn_zero3", "stage": 3, "strategy": {"memory_budget": 1 << 20, "preflight": "warn"}},
@@ -82,6 +90,17 @@ def test_ring_attention_and_the_memory_switches_are_planned_and_checked(results)
         assert result["error_type"] == "PreflightMemoryError", result["message"]
         assert "(ring 2)" in result["message"] and result["losses"] == [] and result["unchanged"], result["message"]
     for result in results["fits_ring_alst"]:
+        assert result["error_type"] is None, result["message"]
+        assert len(result["losses"]) == 3 and result["warnings"] == []
+
+
+def test_a_hybrid_of_gated_delta_nets_is_checked_too(results):
+    """A Qwen3.5-like hybrid (gated delta net and attention layers) is planned and checked like a dense model: over
+    the budget both ranks stop before any compute, naming what fits; within it, it trains without a word."""
+    for result in results["stop_hybrid"]:
+        assert result["error_type"] == "PreflightMemoryError", result["message"]
+        assert "Changes that fit:" in result["message"] and result["losses"] == [] and result["unchanged"]
+    for result in results["fits_hybrid"]:
         assert result["error_type"] is None, result["message"]
         assert len(result["losses"]) == 3 and result["warnings"] == []
 

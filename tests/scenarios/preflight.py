@@ -16,7 +16,12 @@ from tests.support.training import Recorder, make_trainer
 
 def _fit(case: dict) -> dict:
     seed_everything(SEED, verbose=False)
-    config = tiny_qwen3_config() if case.get("model") == "qwen3" else tiny_llama_config(num_kv_heads=2)
+    if case.get("model") == "hybrid":  # a Qwen3.5-like hybrid: a gated delta net layer and an attention layer
+        from tests.support.architectures import build_config
+
+        config = build_config("qwen3_5_text")
+    else:
+        config = tiny_qwen3_config() if case.get("model") == "qwen3" else tiny_llama_config(num_kv_heads=2)
     module = CausalLM(config, lr=0.5, dataset=TokenDataset(3, 64), batch_size=1)
     initial = {k: v.detach().clone() for k, v in module.model.named_parameters()}
     recorder = Recorder()
