@@ -49,11 +49,13 @@ class ShardInfo:
         positions_filled: the batch had no ``position_ids`` and the collate step filled in ``0..S-1``: a model that
             numbers its positions itself when given none (RoBERTa-style) gets its own numbering
             (:mod:`lightning_ulysses.models.position_numbering`).
+        vision_grids: the batch's images and videos as the processor's ``(t, h, w)`` grids in patches
+            (``image_grid_thw`` then ``video_grid_thw``), for the pre-flight memory plan; ``None`` without them.
     """
 
     __slots__ = ("seq_len", "cu_seqlens", "max_seqlen", "window_tokens", "batch_size", "fingerprint",
                  "position_ids", "attention_mask", "target_valid", "global_index", "padded_len", "halo",
-                 "max_position", "multimodal", "positions_filled")
+                 "max_position", "multimodal", "positions_filled", "vision_grids")
 
     def __init__(self, seq_len: int, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
                  window_tokens: Optional[torch.Tensor] = None, batch_size: int = 1,
@@ -73,6 +75,7 @@ class ShardInfo:
         self.max_position: Optional[int] = None
         self.multimodal: Optional[dict[str, torch.Tensor]] = None
         self.positions_filled = False
+        self.vision_grids: Optional[list[tuple[int, int, int]]] = None
 
     @property
     def shard_shape(self) -> Optional[tuple[int, int]]:

@@ -221,7 +221,7 @@ class SequenceParallelFrontEnd:
             try:
                 preflight_check.check_first_step(models[0].config, shard.padded_len, shard.batch_size,
                                                  self._preflight_settings(models[0]), budget, self._any_rank,
-                                                 self.preflight, rank_zero_warn)
+                                                 self.preflight, rank_zero_warn, shard.vision_grids)
                 return
             except preflight_check.PreflightMemoryError:
                 raise

@@ -229,6 +229,21 @@ def test_the_example_builds_both_families():
         assert model(**batch).loss.isfinite()
 
 
+@pytest.mark.multiprocess
+def test_the_preflight_check_plans_the_batchs_images_and_stops_over_the_budget():
+    """The pre-flight memory check for a vision-language model (Qwen2-VL): the first batch's image grids reach the plan
+    (the vision tower's kept activations are a part of it); over the budget both ranks stop before any weight
+    changes, with a roomy budget it trains."""
+    found = launch(2, "vision_language:preflight", {"runs": [("qwen2_vl", 2, 1 << 20), ("qwen2_vl", 2, 1 << 40)]})
+    for rank in found:
+        stopped, trained = rank["qwen2_vl-1048576"], rank[f"qwen2_vl-{1 << 40}"]
+        assert stopped["error_type"] == "PreflightMemoryError", stopped["message"]
+        assert "| step: vision tower (kept for backward) |" in stopped["message"], stopped["message"]
+        assert stopped["losses"] == [] and stopped["unchanged"]
+        assert trained["error_type"] is None, trained["message"]
+        assert len(trained["losses"]) == 1 and not trained["unchanged"]
+
+
 def test_the_decoders_own_cache_is_off_while_prepared_and_given_back():
     """A vision-language model's decoder reads its own config's ``use_cache``: off while prepared (a cache there
     carried a gated delta net's state from one packed sample's run to the next: Qwen3.5's packed rows failed in

@@ -138,6 +138,9 @@ def shard_batch(
     info.positions_filled = positions_filled
     info.max_position = int(position_ids.max())  # the full batch's, as one device's rotary embedding sees it
     info.attention_mask = out.get(ATTENTION_MASK)
+    grids = [out[key] for key in ("image_grid_thw", "video_grid_thw") if isinstance(out.get(key), torch.Tensor)]
+    if grids:
+        info.vision_grids = [tuple(int(n) for n in grid) for found in grids for grid in found.reshape(-1, 3).tolist()]
     info.target_valid = cut(target_valid, "target_valid")  # padded with False
     info.global_index = index
     info.padded_len = padded_len

@@ -5,9 +5,9 @@ memory, or ``memory_budget``). A step that would not fit stops every rank with t
 fit, instead of an out-of-memory error in the middle of the step; or, with ``preflight="warn"``, warns.
 
 The check runs where the plan was measured against the run: one Hugging Face causal LM trained (dense, transformers'
-fused experts, or a hybrid of gated delta nets and attention as Qwen3.5 and Qwen3-Next have; more models, as a
-frozen reference beside a policy, an own model, other hybrids, MoE models with separate expert modules or
-vision-language models: not checked), with every strategy setting planned (docs/planning.md). Where it does not run,
+fused experts, a hybrid of gated delta nets and attention as Qwen3.5 and Qwen3-Next have, or a vision-language
+model with a Qwen-VL-style tower, planned with the batch's image grids; more models, as a frozen reference beside a
+policy, an own model, other hybrids, MoE models with separate expert modules or other vision towers: not checked), with every strategy setting planned (docs/planning.md). Where it does not run,
 it says why once.
 """
 
@@ -93,8 +93,8 @@ def not_validated(model: torch.nn.Module) -> Optional[str]:
         # transformers' fused experts (one [E, ...] tensor) are traced exactly (their memory depends on how many
         # picks there are, not which); experts as separate modules skipped when no token picks them are not
         return "mixture-of-experts models with separate expert modules are not yet measured against the plan"
-    if is_vision_language_model(model):
-        return "vision-language models are not yet measured against the plan"
+    if is_vision_language_model(model) and not hasattr(getattr(model, "model", None), "visual"):
+        return "vision-language models other than Qwen-VL-style towers are not yet planned"
     mixers = {type(mixer).__name__ for mixer in sequence_mixers(model)}
     unmeasured = sorted(name for name in mixers if not any(name.startswith(family) for family in _MEASURED_MIXERS))
     if unmeasured:
@@ -112,8 +112,8 @@ def device_budget(device: torch.device) -> Optional[int]:
 
 
 def _changes_that_fit(config: Any, seq_len: int, batch_size: int, settings: PreflightSettings, budget: int,
-                      plan: Callable[..., MemoryPlan]) -> list[str]:
-    base = dict(settings.plan_arguments(), micro_batch=batch_size)
+                      plan: Callable[..., MemoryPlan], vision_grids: Optional[list] = None) -> list[str]:
+    base = dict(settings.plan_arguments(), micro_batch=batch_size, vision_grids=vision_grids)
     candidates = []
     sp = settings.sp_size * 2
     while sp <= settings.world_size:
@@ -146,13 +146,16 @@ def _changes_that_fit(config: Any, seq_len: int, batch_size: int, settings: Pref
 
 
 def check_first_step(config: Any, seq_len: int, batch_size: int, settings: PreflightSettings, budget: int,
-                     agree: Callable[[bool], bool], mode: str, warn: Callable[[str], None]) -> Optional[MemoryPlan]:
+                     agree: Callable[[bool], bool], mode: str, warn: Callable[[str], None],
+                     vision_grids: Optional[list] = None) -> Optional[MemoryPlan]:
     """Plan the step; if its peak exceeds ``budget`` on any rank (``agree``: the OR over all ranks), raise
-    :class:`PreflightMemoryError` (``mode="stop"``) or warn (``"warn"``). Returns the plan."""
-    plan = plan_memory(config, seq_len, micro_batch=batch_size, **settings.plan_arguments())
+    :class:`PreflightMemoryError` (``mode="stop"``) or warn (``"warn"``). Returns the plan. ``vision_grids``: the
+    batch's images and videos (a vision-language model's, ``(t, h, w)`` each)."""
+    plan = plan_memory(config, seq_len, micro_batch=batch_size, vision_grids=vision_grids,
+                       **settings.plan_arguments())
     if not agree(plan.peak > budget):
         return plan
-    fits = _changes_that_fit(config, seq_len, batch_size, settings, budget, plan_memory)
+    fits = _changes_that_fit(config, seq_len, batch_size, settings, budget, plan_memory, vision_grids)
     message = (f"UlyssesDeepSpeedStrategy's pre-flight check: the first training step is planned at"
                f" {plan.peak / GIB:.2f} GiB per rank, more than the {budget / GIB:.2f} GiB budget (on at least one"
                f" rank); nothing was computed.\n{plan.table()}\nChanges that fit: "

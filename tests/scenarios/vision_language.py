@@ -94,3 +94,24 @@ def run(payload: dict) -> dict:
             "dp_rank": trainer.strategy.dp_rank,
         }
     return results
+
+
+def preflight(payload: dict) -> dict:
+    """The pre-flight memory check for a vision-language model: ``(family, stage, memory_budget)`` runs at sp=2,
+    each the first batch with an image; what stopped it (or the losses), and whether any weight changed."""
+    results = {}
+    for family, stage, budget in payload["runs"]:
+        seed_everything(SEED, verbose=False)
+        module = VisionLanguageLM(family, select=[0])
+        initial = {k: v.detach().clone() for k, v in module.model.named_parameters()}
+        recorder = Recorder()
+        strategy = UlyssesDeepSpeedStrategy(sp_size=2, stage=stage, memory_budget=budget)
+        result = {"error_type": None, "message": None}
+        try:
+            make_trainer(strategy, max_steps=1, callbacks=[recorder]).fit(module)
+        except Exception as err:  # noqa: BLE001 - the test reads type and message
+            result.update(error_type=type(err).__name__, message=str(err))
+        result["losses"] = recorder.losses
+        result["unchanged"] = all(torch.equal(initial[k], v.detach()) for k, v in module.model.named_parameters())
+        results[f"{family}-{budget}"] = result
+    return results
