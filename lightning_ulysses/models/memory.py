@@ -78,6 +78,12 @@ def tile_count(setting: TileSetting, shard_len: int, tile_tokens: int) -> int:
     return int(setting)
 
 
+def _tiles_run(tiles: int) -> list[int]:
+    """The tiles (or loss chunks) a pass runs: all of them. The planner's meta-device trace runs a sample instead
+    (:mod:`lightning_ulysses.plan.activations`): every tile allocates and frees the same, so three show the peak."""
+    return list(range(tiles))
+
+
 def _agreed_shard_len(local_len: int, context: Optional[StepContext]) -> int:
     """The shard length tile counts are computed from: the step's maximum over all ranks where the strategy needs
     every rank to issue the same ZeRO-3 gathers (see ``StepContext.tile_shard_len``), else the local one."""
@@ -152,9 +158,19 @@ class TiledMLP(torch.autograd.Function):
         # again (with no gradient) after this backward, and ZeRO's hooks on them would reduce a second time.
         ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
         ctx.save_for_backward(x)
+        out: Optional[torch.Tensor] = None
+        x_tiles = torch.tensor_split(x, tiles, dim=-2)  # [B, s/tiles, H] each
+        starts = [0]
+        for x_tile in x_tiles:
+            starts.append(starts[-1] + x_tile.shape[-2])
         with torch.no_grad():
-            outputs = [mlp(x_tile) for x_tile in torch.tensor_split(x, tiles, dim=-2)]  # tiles × [B, s/tiles, H]
-        return torch.cat(outputs, dim=-2)  # [B, s, H]
+            for index in _tiles_run(tiles):
+                out_tile = mlp(x_tiles[index])
+                if out is None:  # one output written tile by tile (a list and a cat held it twice)
+                    out = out_tile.new_empty((*x.shape[:-1], out_tile.shape[-1]))  # [B, s, H]
+                out.narrow(-2, starts[index], x_tiles[index].shape[-2]).copy_(out_tile)
+                del out_tile
+        return out
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -162,8 +178,11 @@ class TiledMLP(torch.autograd.Function):
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[1] else None  # [B, s, H]
         x_tiles = torch.tensor_split(x.detach(), ctx.tiles, dim=-2)
         grad_tiles = torch.tensor_split(grad_output, ctx.tiles, dim=-2)
-        start = 0
-        for index, (x_tile, grad_tile) in enumerate(zip(x_tiles, grad_tiles)):
+        starts = [0]
+        for x_tile in x_tiles:
+            starts.append(starts[-1] + x_tile.shape[-2])
+        for index in _tiles_run(ctx.tiles):
+            x_tile, grad_tile, start = x_tiles[index], grad_tiles[index], starts[index]
             last = index == ctx.tiles - 1
             for param in ctx.params:  # ZeRO reduces a weight's gradient once every slice has added to it
                 _compat.defer_zero3_gradient(param, ready=last)
@@ -174,7 +193,7 @@ class TiledMLP(torch.autograd.Function):
             if grad_x is not None:
                 length = x_tile.shape[-2]
                 grad_x.narrow(-2, start, length).copy_(x_tile.grad)
-                start += length
+                x_tile.grad = None  # (the tuple of tiles keeps x_tile: its gradient would stay to the end)
         return None, grad_x, None, None
 
 
@@ -237,7 +256,9 @@ def tiled_cross_entropy_sum(hidden: torch.Tensor, lm_head: nn.Module, shift_labe
     calls of ``lm_head`` for every length (empty chunks allowed), so ZeRO-3 gathers its weight equally on every rank.
     """
     total = hidden.new_zeros((), dtype=torch.float32)
-    for h, y in zip(torch.tensor_split(hidden, chunks, dim=1), torch.tensor_split(shift_labels, chunks, dim=1)):
+    pieces = list(zip(torch.tensor_split(hidden, chunks, dim=1), torch.tensor_split(shift_labels, chunks, dim=1)))
+    for index in _tiles_run(chunks):
+        h, y = pieces[index]
         total = total + checkpoint(_chunk_loss_sum, h, y, lm_head, use_reentrant=False)
     return total
 

@@ -207,9 +207,10 @@ def _merge_shapes(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, l
 
 # The chunked attention's memory is the same for every query chunk and every key chunk of full size: the chunks wait
 # in the host store, each block's kernel temporaries are freed before the next block. A trace therefore runs, for each
-# query chunk, the blocks of its two nearest key chunks (its own and the one before), of its last query run (the
-# widest blocks) only: the same peak as every block (tests/plan/test_planner.py pins it) at ~4 kernel calls per query
-# chunk instead of ~n·sp/2 (n chunks, sp ranks): a plan at 1M tokens in 16K chunks takes seconds, not minutes.
+# query chunk, the blocks of its nearest key chunks (the one before, its own, the one after: a global chunk is every
+# rank's piece, so a later chunk holds earlier ranks' runs), of its last query run (the widest blocks) only: the same
+# peak as every block (tests/plan/test_planner.py pins it) at ~4 kernel calls per query chunk instead of ~n·sp
+# (n chunks, sp ranks).
 SAMPLE_CHUNK_BLOCKS = True
 
 
@@ -217,7 +218,7 @@ def _nearest_blocks(blocks: Callable[..., Iterator[tuple]], query_run: Optional[
                     ) -> Callable[..., Iterator[tuple]]:
     def sampled(*args: Any, **kwargs: Any) -> Iterator[tuple]:
         i = args[1]
-        kept = [block for block in blocks(*args, **kwargs) if block[0] >= i - 1]
+        kept = [block for block in blocks(*args, **kwargs) if i - 1 <= block[0] <= i + 1]
         if query_run is not None and kept:
             last = max(query_run(block).start for block in kept)
             kept = [block for block in kept if query_run(block).start == last]
@@ -276,6 +277,61 @@ def _no_value_reads() -> Iterator[None]:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
+
+
+# The strategy's tiled MLP and tiled loss allocate and free the same for every tile (the MLP's output and input
+# gradient are written into whole tensors made once, the weights' gradients accumulate, a loss chunk's logits live
+# for that chunk): the trace runs the first two tiles (the largest) and the last, the same peak as every tile
+# (tests/plan/test_planner.py), a few traced tiles instead of thousands (a Llama-3.1-8B at 256K tokens per rank: 64
+# MLP tiles per layer and 2016 loss chunks).
+SAMPLE_TILES = True
+
+
+def _sample(tiles: int) -> list[int]:
+    return sorted({0, 1, tiles - 1}) if tiles > 3 else list(range(tiles))
+
+
+class _ChunkNotRun(torch.autograd.Function):
+    """A loss chunk the trace does not run, as its checkpoint leaves it: its hidden states and labels saved (views;
+    offloaded with the checkpoints when they are), and in backward a gradient of the chunk's size, which autograd
+    holds with the other chunks' until the split of the hidden states takes them all."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(hidden, labels)
+        return hidden.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        hidden, _ = ctx.saved_tensors
+        return torch.empty_like(hidden), None
+
+
+@contextlib.contextmanager
+def _tiles_sampled() -> Iterator[None]:
+    """The tiles sampled (above). The loss chunks not run each leave what their checkpoint leaves (:class:`_ChunkNotRun`):
+    the loop below is :func:`~lightning_ulysses.models.memory.tiled_cross_entropy_sum`'s with those chunks replaced."""
+    from lightning_ulysses.models import memory
+
+    saved = memory._tiles_run, memory.tiled_cross_entropy_sum
+
+    def loss(hidden: torch.Tensor, lm_head: Any, shift_labels: torch.Tensor, chunks: int) -> torch.Tensor:
+        run = set(_sample(chunks))
+        total = hidden.new_zeros((), dtype=torch.float32)
+        pieces = zip(torch.tensor_split(hidden, chunks, dim=1), torch.tensor_split(shift_labels, chunks, dim=1))
+        for index, (h, y) in enumerate(pieces):
+            if index in run:
+                total = total + memory.checkpoint(memory._chunk_loss_sum, h, y, lm_head, use_reentrant=False)
+            else:
+                total = total + _ChunkNotRun.apply(h, y)
+        return total
+
+    if SAMPLE_TILES:
+        memory._tiles_run, memory.tiled_cross_entropy_sum = _sample, loss
+    try:
+        yield
+    finally:
+        memory._tiles_run, memory.tiled_cross_entropy_sum = saved
 
 
 # ------------------------------------------------------------------------------------- gated delta rules, calibrated
@@ -583,7 +639,8 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
     vision = _vision_tower_kept(model, vision_units, _register(1)) if vision_language and vision_units else 0
     joining = _HostJoinsMeta() if vision_language else contextlib.nullcontext()
     try:
-        with _no_value_reads(), _grouped_experts_on_meta(), _delta_rules_calibrated(model), _offload_shapes(host), \
+        with _no_value_reads(), _grouped_experts_on_meta(), _delta_rules_calibrated(model), \
+                _offload_shapes(host), _tiles_sampled(), \
                 _ring_on_meta(ring), joining, \
                 _offload_attention_on_meta(attention_host, sp), TensorMemoryTracker() as tracker:
             model(input_ids=ids, **targets).loss.backward()

@@ -381,3 +381,22 @@ def test_a_hybrids_gated_delta_rule_is_planned_by_its_calibrated_line(monkeypatc
     nine = activations._delta_rule_memory(original, 9, like, chunk_size, dict(flags))
     first = activations._CALIBRATION_CHUNKS[0]
     assert nine == tuple(round(line[2 * i] + line[2 * i + 1] * (9 - first)) for i in range(3))
+
+
+@pytest.mark.parametrize("tokens,switches", [
+    (1536, {"tiled_mlp": "auto", "tiled_loss": 12, "offload_checkpoints": True}),
+    (1000, {"tiled_mlp": 5, "tiled_loss": 7, "offload_checkpoints": True}),
+    (1000, {"tiled_loss": 4}), (1000, {"tiled_mlp": 8, "tiled_loss": 5})])
+def test_the_tiled_mlp_and_loss_traced_on_three_tiles_have_every_tiles_peak(monkeypatch, tokens, switches):
+    """The planner runs the first two and the last of the ALST switches' tiles (MLP tiles, loss chunks; a loss chunk
+    not run leaves what its checkpoint leaves: its saved inputs, a gradient autograd holds until the split takes
+    every chunk's): the peak and host bytes of the trace over every tile, even and uneven tiles, with and without
+    the checkpoints offloaded."""
+    from lightning_ulysses.plan import activations
+
+    config = LlamaConfig(**{**CONFIG.to_dict(), "num_hidden_layers": 1})
+    kwargs = dict(gradients_leave=True, **switches)
+    sampled = trace_step(config, tokens, **kwargs)
+    monkeypatch.setattr(activations, "SAMPLE_TILES", False)
+    every = trace_step(config, tokens, **kwargs)
+    assert (sampled.peak, sampled.host) == (every.peak, every.host)
