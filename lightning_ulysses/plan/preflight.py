@@ -73,15 +73,13 @@ def precision_of(model: torch.nn.Module) -> str:
 
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-# hybrids whose mixers the plan was measured against in launched runs (the gated delta nets of Qwen3.5 and Qwen3-Next:
-# benchmarks/plan_accuracy.py within 1%, 7% with the ALST switches; tests/profiling/test_tensor_memory.py)
-_MEASURED_MIXERS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
 
 
 def not_validated(model: torch.nn.Module) -> Optional[str]:
     """Why the plan is not yet trusted to stop a run of ``model`` (``None``: a dense text decoder or a mixture of
     transformers' fused experts, measured): MoE models with separate expert modules, hybrid models (their mixers'
     exchange is not counted) and vision-language models (the vision tower is not traced)."""
+    from lightning_ulysses.families.mixers import planned_mixer
     from lightning_ulysses.models.refusals import sequence_mixers
     from lightning_ulysses.models.vision_language import is_vision_language_model
 
@@ -95,8 +93,7 @@ def not_validated(model: torch.nn.Module) -> Optional[str]:
         return "mixture-of-experts models with separate expert modules are not yet measured against the plan"
     if is_vision_language_model(model) and not hasattr(getattr(model, "model", None), "visual"):
         return "vision-language models other than Qwen-VL-style towers are not yet planned"
-    mixers = {type(mixer).__name__ for mixer in sequence_mixers(model)}
-    unmeasured = sorted(name for name in mixers if not any(name.startswith(family) for family in _MEASURED_MIXERS))
+    unmeasured = sorted({type(mixer).__name__ for mixer in sequence_mixers(model) if not planned_mixer(mixer)})
     if unmeasured:
         return f"hybrid models with {', '.join(unmeasured)} layers are not yet measured against the plan"
     return None

@@ -31,3 +31,14 @@ FAMILIES: list[Recipe] = [gated_delta_net_slicing, kimi_delta_slicing, mamba2_sl
 # (:func:`lightning_ulysses.models.refusals.refuse_unsupported_architecture`).
 MIXER_CLASS_NAME = re.compile(r"(mixer|deltanet|deltaattention|shortconv|linearattention|lightningattention"
                               r"|recurrent(block|layer)?|rglru|rwkv\w*|ssm)$", re.IGNORECASE)
+
+# Mixer families whose memory the planner (:mod:`lightning_ulysses.plan`) was measured against in launched runs (the
+# gated delta nets of Qwen3.5 and Qwen3-Next: benchmarks/plan_accuracy.py, tests/profiling/test_tensor_memory.py):
+# the pre-flight memory check runs for a hybrid whose every mixer one of them claims.
+PLANNED: list[Recipe] = [gated_delta_net_slicing]
+
+
+def planned_mixer(module: nn.Module) -> bool:
+    """Whether the planner's count of ``module`` (a sequence mixer) was measured: a family of :data:`PLANNED`
+    claims it (by its structure, as the exchange does)."""
+    return any(recipe(module, 0, 1, None) is not None for recipe in PLANNED)
