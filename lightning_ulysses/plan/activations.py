@@ -348,6 +348,8 @@ def _tiles_sampled() -> Iterator[None]:
 _DELTA_RULE = "torch_chunk_gated_delta_rule"
 _CALIBRATION_CHUNKS = (3, 5)  # from 3 chunks on every part is linear (at 2 the backward is not)
 _delta_rule_lines: dict[tuple, tuple[float, ...]] = {}
+_delta_rule_saved_inputs: dict[tuple, tuple[int, ...]] = {}
+_planned_rules: set = set()
 
 
 def _bytes(*tensors: Optional[torch.Tensor]) -> int:
@@ -359,22 +361,36 @@ def _delta_rule_memory(original: Callable[..., Any], chunks: int, like: tuple, c
     """One real trace of the fallback over ``chunks`` chunks (inputs shaped ``like`` but for the length): bytes it
     keeps after forward besides its outputs, its forward's transient peak above that, and its backward's transient
     peak above the input gradients (the kept bytes alive until backward ends, as the plan's function keeps them)."""
+    return _delta_rule_trace(original, chunks, like, chunk_size, flags)[0]
+
+
+def _delta_rule_trace(original: Callable[..., Any], chunks: int, like: tuple, chunk_size: int,
+                      flags: dict[str, Any]) -> tuple[tuple[int, int, int], tuple[int, ...]]:
+    """:func:`_delta_rule_memory`'s sizes, and which of the inputs the fallback saves for backward (saving a view of
+    a larger tensor keeps that tensor alive: the plan's function saves the same ones)."""
     tokens = chunks * chunk_size
     inputs = [torch.empty((t[0], tokens, *t[2][2:]), dtype=t[1], device="meta", requires_grad=t[3]) for t in like]
-    with torch.utils._python_dispatch._disable_current_modes(), \
-            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.enable_grad(), \
-            TensorMemoryTracker() as tracker:
+    saved_storages: set[int] = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved_storages.add(tensor.untyped_storage()._cdata)
+        return tensor
+
+    # the recording hooks inside the tracker's (the innermost hooks are the ones that run)
+    with torch.utils._python_dispatch._disable_current_modes(), torch.enable_grad(), TensorMemoryTracker() as tracker, \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, state = original(*inputs, chunk_size=chunk_size, **flags)
         forward_peak, forward_end = tracker._peak.peak_bytes, tracker._current
         kept = forward_end - _bytes(out, state)
         grad = torch.empty_like(out)
         start = tracker._current
         tracker._peak.peak_bytes = start
+        saved_inputs = tuple(i for i, t in enumerate(inputs) if t.untyped_storage()._cdata in saved_storages)
         torch.autograd.backward(out, grad)
         input_grads = _bytes(*(t for t in inputs if t.requires_grad))
         backward_transient = tracker._peak.peak_bytes - start - input_grads
         del out, state, grad
-    return kept, forward_peak - forward_end, backward_transient
+    return (kept, forward_peak - forward_end, backward_transient), saved_inputs
 
 
 class _CalibratedDeltaRule(torch.autograd.Function):
@@ -382,8 +398,8 @@ class _CalibratedDeltaRule(torch.autograd.Function):
     allocated and freed, outputs and input gradients of their real shapes."""
 
     @staticmethod
-    def forward(ctx, sizes: tuple[int, int, int], out_like: tuple, state_like: Optional[tuple],  # type: ignore[override]
-                *inputs: torch.Tensor) -> Any:
+    def forward(ctx, sizes: tuple[int, int, int], saved_inputs: tuple[int, ...],  # type: ignore[override]
+                out_like: tuple, state_like: Optional[tuple], *inputs: torch.Tensor) -> Any:
         kept, forward_transient, backward_transient = sizes
         device = inputs[0].device
         blob = torch.empty(-(-kept // 4), dtype=torch.float32, device=device)
@@ -391,7 +407,7 @@ class _CalibratedDeltaRule(torch.autograd.Function):
         state = torch.empty(state_like[0], dtype=state_like[1], device=device) if state_like else None
         transient = torch.empty(-(-forward_transient // 4), dtype=torch.float32, device=device)
         del transient
-        ctx.save_for_backward(blob)
+        ctx.save_for_backward(blob, *(inputs[i] for i in saved_inputs))
         ctx.backward_transient = backward_transient
         ctx.inputs_like = [(t.shape, t.dtype) for t in inputs]
         ctx.mark_non_differentiable(*([state] if state is not None else []))
@@ -399,13 +415,13 @@ class _CalibratedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Any) -> Any:  # type: ignore[override]
-        (blob,) = ctx.saved_tensors
+        blob = ctx.saved_tensors[0]
         device = blob.device
-        input_grads = [torch.empty(shape, dtype=dtype, device=device) if ctx.needs_input_grad[3 + i] else None
+        input_grads = [torch.empty(shape, dtype=dtype, device=device) if ctx.needs_input_grad[4 + i] else None
                        for i, (shape, dtype) in enumerate(ctx.inputs_like)]
         transient = torch.empty(-(-ctx.backward_transient // 4), dtype=torch.float32, device=device)
         del transient, blob
-        return (None, None, None, *input_grads)
+        return (None, None, None, None, *input_grads)
 
 
 def _calibrated_delta_rule(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -425,10 +441,11 @@ def _calibrated_delta_rule(original: Callable[..., Any]) -> Callable[..., Any]:
                      tuple(sorted(flags.items())))
         if signature not in _delta_rule_lines:
             (n1, n2) = _CALIBRATION_CHUNKS
-            first = _delta_rule_memory(original, n1, like, chunk_size, flags)
-            second = _delta_rule_memory(original, n2, like, chunk_size, flags)
+            first, saved_inputs = _delta_rule_trace(original, n1, like, chunk_size, flags)
+            second, _ = _delta_rule_trace(original, n2, like, chunk_size, flags)
             _delta_rule_lines[signature] = tuple(v for a, b in zip(first, second)
                                                  for v in (a, (b - a) / (n2 - n1)))
+            _delta_rule_saved_inputs[signature] = saved_inputs
         line = _delta_rule_lines[signature]
         n1 = _CALIBRATION_CHUNKS[0]
         sizes = tuple(max(0, int(round(line[2 * i] + line[2 * i + 1] * (chunks - n1)))) for i in range(3))
@@ -436,7 +453,7 @@ def _calibrated_delta_rule(original: Callable[..., Any]) -> Callable[..., Any]:
         out_like = ((B, S, value.shape[2], value.shape[3]), query.dtype)
         state_like = (((B, value.shape[2], key.shape[3], value.shape[3]), torch.float32) if output_final_state
                       else None)
-        found = _CalibratedDeltaRule.apply(sizes, out_like, state_like, *inputs)
+        found = _CalibratedDeltaRule.apply(sizes, _delta_rule_saved_inputs[signature], out_like, state_like, *inputs)
         return found if state_like is not None else (found, None)
 
     return planned
@@ -451,16 +468,17 @@ def _delta_rules_calibrated(model: torch.nn.Module) -> Iterator[None]:
     for name in {type(module).__module__ for module in model.modules()}:
         modeling = sys.modules.get(name)
         original = getattr(modeling, _DELTA_RULE, None)
-        if original is not None and not getattr(original, "_planned", False):
+        if original is not None and original not in _planned_rules:  # (a trace inside a trace: already planned)
             planned = _calibrated_delta_rule(original)
-            planned._planned = True  # type: ignore[attr-defined]
+            _planned_rules.add(planned)
             setattr(modeling, _DELTA_RULE, planned)
-            patched.append((modeling, original))
+            patched.append((modeling, original, planned))
     try:
         yield
     finally:
-        for modeling, original in patched:
+        for modeling, original, planned in patched:
             setattr(modeling, _DELTA_RULE, original)
+            _planned_rules.discard(planned)
 
 
 @contextlib.contextmanager

@@ -367,13 +367,32 @@ def test_a_hybrids_gated_delta_rule_is_planned_by_its_calibrated_line(monkeypatc
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, layer_types=["linear_attention", "full_attention"],
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
         pad_token_id=0)
+    # Qwen3-Next's mixer hands the rule views of its convolution's output, which the rule saves (keeping the whole
+    # output alive): the plan's function saves the same inputs (at sp 1 the step's peak was 18 MiB under without)
+    next_config = AutoConfig.for_model(
+        "qwen3_next", vocab_size=512, hidden_size=256, intermediate_size=1024, moe_intermediate_size=256,
+        shared_expert_intermediate_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+        head_dim=32, linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=32,
+        linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2, pad_token_id=0)
     activations._delta_rule_lines.clear()
-    for switches in ({}, {"tiled_mlp": "auto", "tiled_loss": "auto", "offload_checkpoints": True}):
-        planned = trace_step(config, 1024, gradients_leave=True, **switches)
+    for model, tokens, switches in ((config, 1024, {}),
+                                    (config, 1024, {"tiled_mlp": "auto", "tiled_loss": "auto",
+                                                    "offload_checkpoints": True}),
+                                    (next_config, 2048, {"gradient_buffer_bytes": 8_000_000})):
+        planned = trace_step(model, tokens, gradients_leave=True, **switches)
         with monkeypatch.context() as patched:
             patched.setattr(activations, "_calibrated_delta_rule", lambda original: original)
-            every = trace_step(config, 1024, gradients_leave=True, **switches)
-        assert (planned.peak, planned.host) == (every.peak, every.host), switches
+            every = trace_step(model, tokens, gradients_leave=True, **switches)
+        assert planned.host == every.host
+        if switches.get("offload_checkpoints"):
+            # recomputed under checkpointing, the saved query and key views are all that keeps the convolution's
+            # output: the real rule lets it go part-way through its backward, the plan's function at its end (one
+            # [s, q heads, D] tensor more at that layer's peak: 2% here, never under)
+            assert every.peak <= planned.peak <= every.peak + tokens * 4 * 32 * 4, switches
+        else:
+            assert planned.peak == every.peak, switches
+    activations._delta_rule_lines.clear()
+    trace_step(config, 1024)
     assert activations._delta_rule_lines  # the line was used
     (signature, line), = activations._delta_rule_lines.items()
     original, inputs, chunk_size, flags = signature
