@@ -437,10 +437,10 @@ def refuse_hf_only_switches(what: str, models: list[nn.Module], switches: list[s
     MLPs, their loss, their attention functions, their checkpointing): with another kind of model they would do
     nothing while the run believes them on. Refused before compute, naming them."""
     if models and switches:
-        names = sorted({type(model).__name__ for model in models})
+        names = ", ".join(sorted({type(model).__name__ for model in models}))
+        one = len(switches) == 1
         raise ValueError(
-            f"{', '.join(switches)} {'is' if len(switches) == 1 else 'are'} run inside Hugging Face models only;"
-            f" this module has {what} ({', '.join(names)}), which would train without {'it' if len(switches) == 1 else 'them'}."
-            f" Turn {', '.join(f'{name}' for name in switches)} off, or use the transformers model of the same"
-            " family."
+            f"{', '.join(switches)} {'is' if one else 'are'} run inside Hugging Face models only; this module has"
+            f" {what} ({names}), which would train without {'it' if one else 'them'}. Turn {', '.join(switches)}"
+            " off, or use the transformers model of the same family."
         )

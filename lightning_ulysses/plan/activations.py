@@ -342,9 +342,9 @@ def _tiles_sampled() -> Iterator[None]:
 # transformers' torch fallback of the chunked gated delta rule (hybrid models without flash-linear-attention, what a
 # CPU runs) loops over 64-token chunks: traced op by op on the meta device it is most of a hybrid's plan (90 s for a
 # 24-layer model at 16K tokens per rank). Its memory is linear in the chunk count (per-chunk tensors, a constant
-# recurrent state), so it is traced for real at two small lengths (3 and 5 chunks), and each call of the plan runs an autograd function
-# that allocates, frees and keeps what the line through those two says, in the same order
-# (tests/plan/test_planner.py checks the line against a third, longer trace).
+# recurrent state), so it is traced for real at two small lengths (3 and 5 chunks), and each call of the plan runs an
+# autograd function that allocates, frees and keeps what the line through those two says, in the same order, saving
+# the inputs the real rule saves (tests/plan/test_planner.py checks the line against a third, longer trace).
 _DELTA_RULE = "torch_chunk_gated_delta_rule"
 _CALIBRATION_CHUNKS = (3, 5)  # from 3 chunks on every part is linear (at 2 the backward is not)
 _delta_rule_lines: dict[tuple, tuple[float, ...]] = {}

@@ -137,8 +137,8 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
                 offload_attention: Any = False) -> MemoryPlan:
     """Predict one rank's peak memory for training a Hugging Face causal LM built from ``config`` (a
     ``PretrainedConfig``, or a built model: its config; or LitGPT's ``GPT`` from a ``litgpt.config.Config`` or a built
-    ``GPT``, planned as the strategy runs it: Ulysses attention, LitGPT's cross-entropy over the logits) on rows of ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size,
-    stage=stage)`` on ``world_size`` ranks (default: ``sp_size``). ``precision``: Lightning's (``"bf16-mixed"`` and
+    ``GPT``, planned as the strategy runs it: Ulysses attention, LitGPT's cross-entropy over the logits) on rows of
+    ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size, stage=stage)`` on ``world_size`` ranks (default: ``sp_size``). ``precision``: Lightning's (``"bf16-mixed"`` and
     ``"bf16-true"`` both train bf16 weights under DeepSpeed); ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"`` or
     ``"sgd_momentum"``; ``reduce_bucket_size``: DeepSpeed's (Lightning's default 2e8 elements). Attention is counted
     as a flash kernel keeps it (no ``[S, S]`` scores). ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints``: the
@@ -203,9 +203,9 @@ def _validate_litgpt(config: Any, seq_len: int, sp_size: int, ring_size: int, **
     if config.n_head < sp_size:
         raise ValueError(f"A LitGPT model with n_head={config.n_head} has fewer heads than sp_size={sp_size}.")
     if seq_len > config.block_size:
-        raise ValueError(f"seq_len {seq_len} is longer than the LitGPT config's block_size {config.block_size} (its RoPE"
-                         " cache's rows, which the strategy reads at the shard's global positions): set block_size to"
-                         " the sequence length at least.")
+        raise ValueError(f"seq_len {seq_len} is longer than the LitGPT config's block_size {config.block_size} (its"
+                         " RoPE cache's rows, which the strategy reads at the shard's global positions): set block_size"
+                         " to the sequence length at least.")
     if getattr(config, "sliding_window_size", None):
         raise ValueError("LitGPT models with sliding-window layers are not supported under sequence parallelism yet.")
     on = [name for name, value in switches.items() if value]

@@ -7,8 +7,8 @@ fit, instead of an out-of-memory error in the middle of the step; or, with ``pre
 The check runs where the plan was measured against the run: one Hugging Face causal LM trained (dense, transformers'
 fused experts, a hybrid of gated delta nets and attention as Qwen3.5 and Qwen3-Next have, or a vision-language
 model with a Qwen-VL-style tower, planned with the batch's image grids; more models, as a frozen reference beside a
-policy, an own model, other hybrids, MoE models with separate expert modules or other vision towers: not checked), with every strategy setting planned (docs/planning.md). Where it does not run,
-it says why once.
+policy, an own model, other hybrids, MoE models with separate expert modules or other vision towers: not checked),
+with every strategy setting planned (docs/planning.md). Where it does not run, it says why once.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 
 
 def not_validated(model: torch.nn.Module) -> Optional[str]:
-    """Why the plan is not yet trusted to stop a run of ``model`` (``None``: a dense text decoder or a mixture of
-    transformers' fused experts, measured): MoE models with separate expert modules, hybrid models (their mixers'
-    exchange is not counted) and vision-language models (the vision tower is not traced)."""
+    """Why the plan is not yet trusted to stop a run of ``model`` (``None``: measured against launched runs: a dense
+    decoder, transformers' fused experts, gated-delta-net hybrids, Qwen-VL-style vision-language models): MoE models
+    with separate expert modules, hybrids with other mixers, other vision towers."""
     from lightning_ulysses.families.mixers import planned_mixer
     from lightning_ulysses.models.refusals import sequence_mixers
     from lightning_ulysses.models.vision_language import is_vision_language_model
