@@ -138,8 +138,9 @@ def plan_memory(config: Any, seq_len: int, *, sp_size: int = 1, world_size: Opti
     """Predict one rank's peak memory for training a Hugging Face causal LM built from ``config`` (a
     ``PretrainedConfig``, or a built model: its config; or LitGPT's ``GPT`` from a ``litgpt.config.Config`` or a built
     ``GPT``, planned as the strategy runs it: Ulysses attention, LitGPT's cross-entropy over the logits) on rows of
-    ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size, stage=stage)`` on ``world_size`` ranks (default: ``sp_size``). ``precision``: Lightning's (``"bf16-mixed"`` and
-    ``"bf16-true"`` both train bf16 weights under DeepSpeed); ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"`` or
+    ``seq_len`` tokens with ``UlyssesDeepSpeedStrategy(sp_size=sp_size, stage=stage)`` on ``world_size`` ranks
+    (default: ``sp_size``). ``precision``: Lightning's (``"bf16-mixed"`` and ``"bf16-true"`` both train bf16 weights
+    under DeepSpeed); ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"`` or
     ``"sgd_momentum"``; ``reduce_bucket_size``: DeepSpeed's (Lightning's default 2e8 elements). Attention is counted
     as a flash kernel keeps it (no ``[S, S]`` scores). ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints``: the
     strategy's memory switches (run by the strategy's own code in the trace; the offload as on an accelerator);
