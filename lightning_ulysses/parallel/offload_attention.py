@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 
 from lightning_ulysses.parallel.ring import (_block_backward, _block_forward, _expand_heads, _merge,
-                                             block_kernel, causal_window_mask)
+                                             block_kernel, causal_window_mask, checked_scale)
 
 AUTO_CHUNK = 16384  # positions per chunk for offload_attention=True / "auto"
 OffloadSetting = Union[bool, int, str]
@@ -188,14 +188,7 @@ class _OffloadedAttention(torch.autograd.Function):
 
 
 def _checked_scale(module: Any, q: torch.Tensor, kwargs: dict[str, Any]) -> float:
-    """transformers' ``scaling`` (default ``D ** -0.5``); attention dropout in training and soft-capping refused."""
-    if kwargs.get("dropout") and getattr(module, "training", False):
-        raise ValueError("Attention dropout is not supported with offload_attention; set the model's attention"
-                         " dropout to 0.")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("Attention logit soft-capping is not supported with offload_attention.")
-    scale = kwargs.get("scaling")
-    return float(scale if scale is not None else q.shape[-1] ** -0.5)
+    return checked_scale(module, q, kwargs, "offload_attention")
 
 
 def offloaded_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int,

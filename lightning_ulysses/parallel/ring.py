@@ -316,6 +316,18 @@ def _fresh(result: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return result.to(dtype).contiguous()
 
 
+def checked_scale(module: Any, q: torch.Tensor, kwargs: dict[str, Any], switch: str) -> float:
+    """transformers' ``scaling`` of an attention call (default ``D ** -0.5``) for the block kernels; attention dropout
+    in training and soft-capping, which they do not run, refused naming ``switch``."""
+    if kwargs.get("dropout") and getattr(module, "training", False):
+        raise ValueError(f"Attention dropout is not supported with {switch}; set the model's attention dropout"
+                         " to 0.")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"Attention logit soft-capping is not supported with {switch}.")
+    scale = kwargs.get("scaling")
+    return float(scale if scale is not None else q.shape[-1] ** -0.5)
+
+
 def _covers(part: slice, length: int) -> bool:
     """Whether ``part`` (a slice of a sequence of ``length``) is all of it."""
     return (part.start or 0) == 0 and (part.stop is None or part.stop >= length)
@@ -482,13 +494,6 @@ def ring_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     Returns:
         ``[B, L, hq, D]`` in the same token order as ``q``.
     """
-    if kwargs.get("dropout") and getattr(module, "training", False):
-        raise ValueError("Attention dropout is not supported with ring_size > 1; set the model's attention dropout"
-                         " to 0.")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("Attention logit soft-capping is not supported with ring_size > 1.")
-    scale = kwargs.get("scaling")
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+    scale = checked_scale(module, q, kwargs, "ring_size > 1")
     out = _RingAttention.apply(q, k, v, group, window, float(scale), documents)  # [B, hq, L, D]
     return out.transpose(1, 2)  # [B, L, hq, D]

@@ -609,6 +609,20 @@ def _offload_shapes(host: list[int]) -> Iterator[None]:
         memory._offload_to_host = original
 
 
+def _gradient_hooks(model: torch.nn.Module, gradient_buffer_bytes: int, gradients_leave: bool) -> list[Any]:
+    """ZeRO's part of a traced step (see :func:`trace_step`): the buffer it allocates at the first gradient and keeps,
+    and each gradient leaving once complete. The hooks, to remove after the trace."""
+    buffers: list[torch.Tensor] = []
+
+    def first_gradient(param: torch.Tensor) -> None:
+        if gradient_buffer_bytes and not buffers:
+            buffers.append(torch.empty(-(-gradient_buffer_bytes // 4), dtype=torch.float32, device="meta"))
+        if gradients_leave:
+            param.grad = None
+
+    return [p.register_post_accumulate_grad_hook(first_gradient) for p in model.parameters() if p.requires_grad]
+
+
 def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32, sp: int = 1,
                gradient_buffer_bytes: int = 0, gradients_leave: bool = False, tiled_mlp: Any = 0,
                tiled_loss: Any = 0, offload_checkpoints: bool = False,
@@ -646,16 +660,8 @@ def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype
     memory.enable(model, features, None)
     # a vision-language model computes its rotary positions from the ids' values: real ids (text only) there
     ids = torch.zeros((batch_size, tokens), dtype=torch.long, device="cpu" if vision_language else "meta")
-    buffers: list[torch.Tensor] = []
     host = [0]
-
-    def first_gradient(param: torch.Tensor) -> None:
-        if gradient_buffer_bytes and not buffers:
-            buffers.append(torch.empty(-(-gradient_buffer_bytes // 4), dtype=torch.float32, device="meta"))
-        if gradients_leave:
-            param.grad = None
-
-    hooks = [p.register_post_accumulate_grad_hook(first_gradient) for p in model.parameters() if p.requires_grad]
+    hooks = _gradient_hooks(model, gradient_buffer_bytes, gradients_leave)
     targets = {"shift_labels": ids} if tiled_loss else {"labels": ids}
     attention_host = [0]
     vision = _vision_tower_kept(model, vision_units, _register(1)) if vision_language and vision_units else 0
@@ -717,15 +723,7 @@ def trace_litgpt_step(config: Any, tokens: int, batch_size: int = 1, dtype: torc
         block.attn.scaled_dot_product_attention = (  # type: ignore[method-assign]
             lambda q, k, v, mask=None: _FlashShapes.apply(q, k, v, sp).transpose(1, 2))  # [B, s, n_head, hs]
     ids = torch.zeros((batch_size, tokens), dtype=torch.long, device="meta")
-    buffers: list[torch.Tensor] = []
-
-    def first_gradient(param: torch.Tensor) -> None:
-        if gradient_buffer_bytes and not buffers:
-            buffers.append(torch.empty(-(-gradient_buffer_bytes // 4), dtype=torch.float32, device="meta"))
-        if gradients_leave:
-            param.grad = None
-
-    hooks = [p.register_post_accumulate_grad_hook(first_gradient) for p in model.parameters() if p.requires_grad]
+    hooks = _gradient_hooks(model, gradient_buffer_bytes, gradients_leave)
     rope_cache = sum(b.numel() * b.element_size() for b in (model.cos, model.sin))
     try:
         with TensorMemoryTracker() as tracker:
