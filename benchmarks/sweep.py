@@ -24,6 +24,7 @@ so it is this strategy with sp_size=1 and every switch off):
 * ``plain``: strategy, all memory switches off;  ``alst``: ``tiled_mlp="auto", tiled_loss="auto",
   offload_checkpoints=True`` (tile counts grow with the sequence, as in ALST); ``offload``:
   ``offload_attention=True`` (Ulysses-Offload: attention in chunks, on CUDA the chunks in pinned host memory);
+  ``alst-offload``: both;
 * ``deepspeed-loop``: DeepSpeed's own ``UlyssesSPAttentionHF`` + ``deepspeed.initialize``, no Lightning (timing
   reference for the strategy's overhead, same model, same settings).
 """
@@ -43,7 +44,9 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out"
 SWITCHES = {"plain": {}, "alst": {"tiled_mlp": "auto", "tiled_loss": "auto", "offload_checkpoints": True},
-            "offload": {"offload_attention": True}}  # Ulysses-Offload: attention in chunks, the chunks on the host
+            "offload": {"offload_attention": True},  # Ulysses-Offload: attention in chunks, the chunks on the host
+            "alst-offload": {"tiled_mlp": "auto", "tiled_loss": "auto", "offload_checkpoints": True,
+                             "offload_attention": True}}
 CPU_MMAP_THRESHOLD = "131072"  # bytes; see the module docstring
 
 
@@ -110,6 +113,21 @@ class _Probe:
             return torch.cuda.max_memory_allocated() - self.base
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base
 
+    def device_costs(self) -> dict:
+        """On CUDA, what the planner's ``reserved_bytes`` stands for, read at the end of training: the states
+        allocated before the first step (``base``), the allocator's reserve over its peak allocation (rounding and
+        cached blocks), and the device memory the process holds outside the allocator (the CUDA context, cuBLAS and
+        NCCL's own buffers): ``total - free - memory_reserved`` (one process per GPU)."""
+        import torch
+
+        if not self.cuda:
+            return {}
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return {"base_bytes": self.base, "max_allocated_bytes": torch.cuda.max_memory_allocated(),
+                "max_reserved_bytes": torch.cuda.max_memory_reserved(),
+                "outside_allocator_bytes": total - free - torch.cuda.memory_reserved()}
+
 
 def _dataset(args):
     import torch
@@ -153,7 +171,7 @@ def worker_lightning(args) -> dict:
                       precision="bf16-mixed" if cuda else "32-true", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()])
     trainer.fit(Module(), torch.utils.data.DataLoader(_dataset(args), batch_size=1))
-    return {"peak_bytes": probe.peak_growth(), "step_times": probe.times}
+    return {"peak_bytes": probe.peak_growth(), "step_times": probe.times, **probe.device_costs()}
 
 
 def worker_deepspeed(args) -> dict:
@@ -190,7 +208,7 @@ def worker_deepspeed(args) -> dict:
         engine.backward(local / count)
         engine.step()
         probe.step_end()
-    return {"peak_bytes": probe.peak_growth(), "step_times": probe.times}
+    return {"peak_bytes": probe.peak_growth(), "step_times": probe.times, **probe.device_costs()}
 
 
 def worker_main(args) -> None:
@@ -215,8 +233,12 @@ def run_one(args, config: str, sp: int, seq_len: int, ring: int = 1) -> dict | N
     step = sorted(ranks[0]["step_times"][1:] or ranks[0]["step_times"])  # the first step warms up
     median = step[len(step) // 2]
     label = config if ring == 1 else f"{config}+ring{ring}"
-    return {"config": label, "sp": sp, "seq_len": seq_len, "peak_mib_per_rank": max(r["peak_bytes"] for r in ranks) / 2**20,
-            "step_s": median, "tokens_per_s": seq_len / median}
+    row = {"config": label, "sp": sp, "seq_len": seq_len, "peak_mib_per_rank": max(r["peak_bytes"] for r in ranks) / 2**20,
+           "step_s": median, "tokens_per_s": seq_len / median}
+    for key in ("base_bytes", "max_allocated_bytes", "max_reserved_bytes", "outside_allocator_bytes"):
+        if key in ranks[0]:  # CUDA: the device's fixed costs beside the step (the largest rank's)
+            row[key.replace("_bytes", "_mib")] = max(r[key] for r in ranks) / 2**20
+    return row
 
 
 def _measure(args, rows: list[dict], config: str, sp: int, seq_len: int, start: float, ring: int = 1) -> bool:

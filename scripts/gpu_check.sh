@@ -80,7 +80,8 @@ if [[ "${GPU_CHECK_SKIP_SWEEP:-0}" != "1" ]]; then
     # shellcheck disable=SC2086
     model_flags=(--hidden 2048 --layers 8 --heads 16 --vocab 32000)  # the swept model (MFU counts its parameters)
     if "$PY" benchmarks/sweep.py --lengths $lengths --sp $sps "${model_flags[@]}" \
-            --configs plain alst offload --steps 5 --max-length 0 > "$OUT/sweep.log" 2>&1; then
+            --configs ${GPU_CHECK_CONFIGS:-plain alst offload alst-offload} --steps 5 --max-length 0 \
+            > "$OUT/sweep.log" 2>&1; then
         cp benchmarks/out/sweep.csv "$OUT/sweep.csv"
         {
             echo
@@ -134,8 +135,12 @@ with torch.device("meta"):
 print("The sweep measures the growth of max_memory_allocated from the start of training (the states are already"
       " there): against it, the plan's step (ZeRO 2, bf16, SGD, buckets 2e8, the row's switches).")
 print()
-print("| config | sp | seq_len | measured MiB/rank | planned step MiB | difference |")
-print("|---|---|---|---|---|---|")
+print("Whole peak: max_memory_allocated against the plan's peak without the device's fixed cost (states + step).")
+print()
+print("| config | sp | seq_len | measured step MiB | planned step MiB | difference | measured peak MiB |"
+      " planned peak MiB | difference |")
+print("|---|---|---|---|---|---|---|---|---|")
+fixed = []
 for r in csv.DictReader(open(sys.argv[1])):
     if r["config"] not in SWITCHES:
         continue
@@ -143,8 +148,24 @@ for r in csv.DictReader(open(sys.argv[1])):
     plan = plan_memory(config, S, sp_size=sp, world_size=sp, stage=2, precision="bf16-mixed", optimizer="sgd",
                        **SWITCHES[r["config"]])
     measured = float(r["peak_mib_per_rank"])
+    whole = float(r.get("max_allocated_mib") or "nan")
+    planned = (plan.states.total + plan.step) / 2**20
     print(f"| {r['config']} | {sp} | {S} | {measured:.0f} | {plan.step / 2**20:.0f} |"
-          f" {plan.step / 2**20 / measured - 1:+.1%} |")
+          f" {plan.step / 2**20 / measured - 1:+.1%} | {whole:.0f} | {planned:.0f} | {planned / whole - 1:+.1%} |")
+    if r.get("max_reserved_mib"):
+        fixed.append((r["config"], sp, S, float(r["max_reserved_mib"]) - whole, float(r["outside_allocator_mib"])))
+if fixed:
+    print()
+    print("## The device's fixed costs (the planner's reserved_bytes), per rank")
+    print()
+    print("Allocator reserve: max_memory_reserved - max_memory_allocated (block rounding, cached blocks). Outside the"
+          " allocator: device memory the process holds beyond memory_reserved at the end (CUDA context, cuBLAS,"
+          " NCCL), total - free - memory_reserved.")
+    print()
+    print("| config | sp | seq_len | allocator reserve MiB | outside the allocator MiB |")
+    print("|---|---|---|---|---|")
+    for name, sp, S, reserve, outside in fixed:
+        print(f"| {name} | {sp} | {S} | {reserve:.0f} | {outside:.0f} |")
 EOF
         } >> "$REPORT"
     else
