@@ -216,7 +216,8 @@ class SequenceParallelFrontEnd:
         if len(models) != 1:
             why_not = f"{len(models)} Hugging Face models are prepared (the plan counts one)"
         else:
-            why_not = preflight_check.not_validated(models[0])
+            why_not = (preflight_check.not_validated(models[0])
+                       or preflight_check.not_validated_on(self.root_device, self.settings.offload_attention))
         if why_not is None:
             try:
                 preflight_check.check_first_step(models[0].config, shard.padded_len, shard.batch_size,

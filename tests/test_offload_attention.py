@@ -80,6 +80,42 @@ def test_the_store_keeps_chunks_in_place_without_a_host():
     assert not store.offloads and store.ready(store.fetch(store.put(chunk))) is chunk
 
 
+class _FakeCopy:
+    """A device-to-host copy's event: done once ``finished`` says so; ``synchronize()`` waits it out."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log, self.finished = name, log, False
+
+    def query(self) -> bool:
+        return self.finished
+
+    def synchronize(self) -> None:
+        self.log.append(self.name)
+        self.finished = True
+
+
+def test_the_copy_window_holds_the_host_to_its_limit_of_copies_in_flight():
+    """On CUDA every stored chunk's copy to the host goes through one window per device: past its limit the host
+    waits for the oldest copy (a device tensor handed to a copy is reusable only once the copy stream gets there, so
+    a host running ahead would keep every layer's chunks reserved; measured on an H100, docs/ulysses-offload.md).
+    Copies already done are dropped without waiting. The CUDA side: tests/test_cuda.py."""
+    from lightning_ulysses.parallel.offload_attention import CopyWindow
+
+    waited: list[str] = []
+    window = CopyWindow(limit=2)
+    copies = [_FakeCopy(f"c{i}", waited) for i in range(5)]
+    window.add(copies[0])
+    window.add(copies[1])
+    assert waited == [] and len(window.events) == 2
+    window.add(copies[2])  # one past the limit: the oldest is waited for
+    assert waited == ["c0"] and [e.name for e in window.events] == ["c1", "c2"]
+    copies[1].finished = True  # finished on its own: dropped, no wait
+    window.add(copies[3])
+    assert waited == ["c0"] and [e.name for e in window.events] == ["c2", "c3"]
+    window.add(copies[4])
+    assert waited == ["c0", "c2"] and [e.name for e in window.events] == ["c3", "c4"]
+
+
 ALONE = [  # the exchange per chunk alone, float64, at 2 and 4 ranks: each rank's shard against full attention
     {"name": "gqa", "B": 2, "Hq": 4, "Hkv": 2, "S": 48, "D": 8, "chunk": 12},
     {"name": "mha_odd_chunks", "B": 1, "Hq": 4, "Hkv": 4, "S": 40, "D": 8, "chunk": 6},

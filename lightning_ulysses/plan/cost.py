@@ -175,12 +175,12 @@ def recommend(config: Any, seq_len: int, *, devices_per_node: int, nodes: int = 
               memory_switches: tuple[bool, ...] = (False, True),
               offload_optimizer: tuple[bool, ...] = (False, True)) -> list[Recommendation]:
     """For every sp among the divisors of the world that the heads allow and each ZeRO stage, the quickest way to
-    fit ``budget_bytes`` (default: the device's memory): without the memory switches and on the device if the plan
+    fit ``budget_bytes`` (default: the device's memory less its fixed cost, :attr:`Device.tensor_bytes`): without the memory switches and on the device if the plan
     fits so, else with the switches or the optimizer offloaded, else both (they only add recompute and host work), the highest estimated throughput first (tokens per second of the whole world: a smaller sp
     leaves more data-parallel replicas and exchanges less); empty if none fits. One plan per setting (about a second each for an
     8B model). ``stages``, ``memory_switches``, ``offload_optimizer``: the choices to consider."""
     hardware = DEVICES[device]
-    budget = budget_bytes if budget_bytes is not None else hardware.memory_bytes
+    budget = budget_bytes if budget_bytes is not None else hardware.tensor_bytes
     world = devices_per_node * nodes
     found = []
     for sp in [n for n in range(1, world + 1) if world % n == 0]:

@@ -5,7 +5,9 @@ process starts or any weight is built; and the longest sequence that fits a budg
 Peak per rank = the model's states (:mod:`lightning_ulysses.plan.states`) + the step's own allocations at their peak
 (:mod:`lightning_ulysses.plan.activations`: activations, logits and loss, gradients in flight, ZeRO's buckets,
 counted from shapes on the meta device) + at ZeRO 3 the gathered parameters in flight + the device's fixed cost
-(``reserved_bytes``: CUDA context, allocator, NCCL; not yet measured on a GPU, 0 by default).
+(``reserved_bytes``: anything else a user sets aside, 0 by default). A device preset's budget is its memory less
+what a process holds outside torch's allocator (:attr:`Device.tensor_bytes`: the CUDA context, cuBLAS, NCCL;
+measured on an H100).
 """
 
 from __future__ import annotations
@@ -26,13 +28,27 @@ PRECISIONS = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": torch
 GIB = 2**30
 
 
+# What a training process holds on a GPU outside torch's caching allocator: the CUDA context, cuBLAS's handles and
+# NCCL's communicator. Measured on an H100 (torch 2.11 + CUDA 13.0, DeepSpeed's ZeRO 2 engine, one rank): 1329-1337 MiB
+# at the end of three training runs (total - free - memory_reserved; benchmarks/results/gpu/report.md). NCCL's buffers
+# grow with the communicators a run makes across ranks: not measured (one GPU lent).
+CUDA_FIXED_BYTES = 1337 * 2**20
+
+
 @dataclass(frozen=True)
 class Device:
-    """A device's memory (what ``nvidia-smi`` reports as total) and dense bf16 rate."""
+    """A device's memory (what ``nvidia-smi`` reports as total), its dense bf16 rate, and what a process holds on it
+    outside torch's allocator (``fixed_bytes``, :data:`CUDA_FIXED_BYTES`: measured on an H100, taken for the others)."""
 
     name: str
     memory_bytes: int
     bf16_flops: float
+    fixed_bytes: int = CUDA_FIXED_BYTES
+
+    @property
+    def tensor_bytes(self) -> int:
+        """What a rank's tensors can use: the memory less the fixed cost (the budget of a plan for this device)."""
+        return self.memory_bytes - self.fixed_bytes
 
 
 DEVICES = {

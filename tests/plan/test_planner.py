@@ -119,6 +119,16 @@ def test_the_preflight_check_stops_only_models_the_plan_was_measured_on():
     assert "BambaMixer" in not_validated(build("bamba"))  # a Mamba hybrid: not yet
 
 
+def test_the_preflight_check_does_not_stop_offload_attention_on_cuda_until_measured_there():
+    """offload_attention's plan matched launched CPU runs; on an H100 a checkpointed layer's backward went past it
+    (docs/planning.md): on CUDA the check says it did not run rather than trust it; elsewhere it runs."""
+    from lightning_ulysses.plan.preflight import not_validated_on
+
+    assert "offload_attention on CUDA" in not_validated_on(torch.device("cuda", 0), True)
+    assert not_validated_on(torch.device("cuda", 0), False) is None
+    assert not_validated_on(torch.device("cpu"), 4096) is None
+
+
 MOE_CONFIGS = {
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(model_type="qwen3_moe", moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
