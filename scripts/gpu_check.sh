@@ -148,15 +148,16 @@ for r in csv.DictReader(open(sys.argv[1])):
     plan = plan_memory(config, S, sp_size=sp, world_size=sp, stage=2, precision="bf16-mixed", optimizer="sgd",
                        **SWITCHES[r["config"]])
     measured = float(r["peak_mib_per_rank"])
-    whole = float(r.get("max_allocated_mib") or "nan")
     planned = (plan.states.total + plan.step) / 2**20
+    whole = float(r["max_allocated_mib"]) if r.get("max_allocated_mib") else None  # not read: an older sweep
+    peak_cells = f"{whole:.0f} | {planned:.0f} | {planned / whole - 1:+.1%}" if whole else f"— | {planned:.0f} | —"
     print(f"| {r['config']} | {sp} | {S} | {measured:.0f} | {plan.step / 2**20:.0f} |"
-          f" {plan.step / 2**20 / measured - 1:+.1%} | {whole:.0f} | {planned:.0f} | {planned / whole - 1:+.1%} |")
+          f" {plan.step / 2**20 / measured - 1:+.1%} | {peak_cells} |")
     if r.get("max_reserved_mib"):
         fixed.append((r["config"], sp, S, float(r["max_reserved_mib"]) - whole, float(r["outside_allocator_mib"])))
 if fixed:
     print()
-    print("## The device's fixed costs (the planner's reserved_bytes), per rank")
+    print("## The device's fixed costs (the planner's CUDA_FIXED_BYTES; the allocator's slack), per rank")
     print()
     print("Allocator reserve: max_memory_reserved - max_memory_allocated (block rounding, cached blocks). Outside the"
           " allocator: device memory the process holds beyond memory_reserved at the end (CUDA context, cuBLAS,"
