@@ -292,10 +292,11 @@ def _sample(tiles: int) -> list[int]:
 
 
 class _ChunksNotRun(torch.autograd.Function):
-    """The loss chunks the trace does not run, as their checkpoints leave them: each chunk's hidden states and labels
-    saved (views; offloaded with the checkpoints when they are), and in backward a gradient of each chunk's size,
-    which autograd holds with the other chunks' until the split of the hidden states takes them all. One node for
-    all of them (a Llama-3.1-8B at 256K tokens per rank has 2016 loss chunks)."""
+    """The loss chunks the trace does not run, as their checkpoints leave them: their hidden states and labels saved
+    (views; offloaded with the checkpoints when they are), and in backward a gradient of their size, which autograd
+    holds with the other chunks' until the split of the hidden states takes them all. One node and one piece of the
+    split for all of them (a Llama-3.1-8B at 256K tokens per rank has 2016 loss chunks): the same bytes as one per
+    chunk, in one tensor."""
 
     @staticmethod
     def forward(ctx, *pieces: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -319,14 +320,17 @@ def _tiles_sampled() -> Iterator[None]:
     saved = memory._tiles_run, memory.tiled_cross_entropy_sum
 
     def loss(hidden: torch.Tensor, lm_head: Any, shift_labels: torch.Tensor, chunks: int) -> torch.Tensor:
-        run = _sample(chunks)
         total = hidden.new_zeros((), dtype=torch.float32)
-        pieces = list(zip(torch.tensor_split(hidden, chunks, dim=1), torch.tensor_split(shift_labels, chunks, dim=1)))
-        skipped = [pieces[index] for index in range(chunks) if index not in run]  # the middle ones, in order
-        for index in run:
-            if index == chunks - 1 and skipped:
-                total = total + _ChunksNotRun.apply(*(h for h, _ in skipped), *(y for _, y in skipped))
-            h, y = pieces[index]
+        length = hidden.shape[1]
+        ends = [i * (length // chunks) + min(i, length % chunks) for i in range(1, chunks)]  # where tensor_split cuts
+        sampled = len(_sample(chunks)) < chunks
+        if sampled:  # chunks 0 and 1, the middle ones as one piece (their bytes, one tensor each way), the last
+            ends = [ends[0], ends[1], ends[-1]]
+        for index, (h, y) in enumerate(zip(torch.tensor_split(hidden, ends, dim=1),
+                                           torch.tensor_split(shift_labels, ends, dim=1))):
+            if sampled and index == 2:
+                total = total + _ChunksNotRun.apply(h, y)
+                continue
             total = total + memory.checkpoint(memory._chunk_loss_sum, h, y, lm_head, use_reentrant=False)
         return total
 
@@ -623,12 +627,111 @@ def _gradient_hooks(model: torch.nn.Module, gradient_buffer_bytes: int, gradient
     return [p.register_post_accumulate_grad_hook(first_gradient) for p in model.parameters() if p.requires_grad]
 
 
+SAMPLED_LAYERS = (2, 3)  # a model of identical decoder layers is traced with this many, then along the line
+
+
 def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32, sp: int = 1,
                gradient_buffer_bytes: int = 0, gradients_leave: bool = False, tiled_mlp: Any = 0,
                tiled_loss: Any = 0, offload_checkpoints: bool = False,
                gradient_checkpointing: bool = False, ring: int = 1,
                vision_units: Optional[list[tuple[int, int, int]]] = None,
                attention_chunk: Optional[int] = None) -> TracedStep:
+    """:func:`trace_layers` of the whole model; for a model whose decoder layers are all alike
+    (:func:`uniform_layers`) and more than ``SAMPLED_LAYERS[1] + 1`` of them, the same two traces of
+    ``SAMPLED_LAYERS`` layers and the line through them: every part of a step's peak (the saved activations, the
+    checkpoints on the host, the gradients in flight) is the same per layer, so the step at ``L`` layers is
+    ``t(2) + (L - 2) · (t(3) - t(2))``, equal to the whole trace to the byte (``tests/plan/test_planner.py``) at an
+    eighth of its time for 32 layers. The parameter counts come from the whole model built on the meta device;
+    ``by_layer`` is the last sampled trace's."""
+    arguments = dict(batch_size=batch_size, dtype=dtype, sp=sp, gradient_buffer_bytes=gradient_buffer_bytes,
+                     gradients_leave=gradients_leave, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
+                     offload_checkpoints=offload_checkpoints, gradient_checkpointing=gradient_checkpointing,
+                     ring=ring, vision_units=vision_units, attention_chunk=attention_chunk)
+    layers = uniform_layers(config)
+    if layers is None or layers <= SAMPLED_LAYERS[1] + 1:
+        return trace_layers(config, tokens, **arguments)
+    first, second = (trace_layers(with_layers(config, n), tokens, **arguments) for n in SAMPLED_LAYERS)
+    steps = layers - SAMPLED_LAYERS[0]
+
+    def line(a: int, b: int) -> int:
+        return a + steps * (b - a)
+
+    model = _meta_model(config, dtype)
+    kinds = set(first.by_kind) | set(second.by_kind)
+    by_kind = {kind: line(first.by_kind.get(kind, 0), second.by_kind.get(kind, 0)) for kind in kinds}
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return TracedStep(line(first.peak, second.peak), by_kind, dict(second.by_layer),
+                      sum(p.numel() for p in model.parameters()),
+                      sum(p.numel() for p in model.parameters() if p.requires_grad),
+                      tuple(p.numel() for p in model.parameters()),
+                      max((sum(p.numel() for p in layer.parameters()) for layer in max(lists, key=len)), default=0)
+                      if lists else 0, line(first.host, second.host), _module_numels(model), 0)
+
+
+def _meta_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+
+
+_PER_MODULE_SKIPPED = {"training", "layer_idx", "_is_hf_initialized"}
+
+
+def _layer_signature(layer: torch.nn.Module) -> tuple:
+    """What a decoder layer is made of: each submodule's type, its parameters' shapes and its plain settings (a
+    sliding window, an attention type, a flag; not its index)."""
+    found = []
+    for name, module in layer.named_modules():
+        settings = tuple(sorted((key, value) for key, value in vars(module).items()
+                                if key not in _PER_MODULE_SKIPPED and not key.startswith("_")
+                                and isinstance(value, (bool, int, float, str, type(None)))))
+        shapes = tuple((key, tuple(p.shape), p.dtype, p.requires_grad)
+                       for key, p in module.named_parameters(recurse=False))
+        found.append((name, type(module).__name__, settings, shapes))
+    return tuple(found)
+
+
+def uniform_layers(config: Any) -> Optional[int]:
+    """How many decoder layers a Hugging Face causal LM built from ``config`` has, where they are all alike (built on
+    the meta device: every layer's modules, parameter shapes and plain settings equal, and every per-layer list of
+    the config, such as ``layer_types``, one value); ``None`` otherwise (alternating windows, hybrids' mixers, dense
+    layers before the experts, vision-language models, anything not built this way), which are traced whole."""
+    try:
+        if getattr(config, "vision_config", None) is not None:
+            return None
+        count = int(getattr(config, "num_hidden_layers", 0) or 0)
+        per_layer = [value for value in config.to_dict().values() if isinstance(value, (list, tuple))
+                     and len(value) == count]
+        if count < 1 or any(len({repr(v) for v in value}) > 1 for value in per_layer):
+            return None
+        model = _meta_model(config, torch.float32)
+    except Exception:  # noqa: BLE001 - a config not built this way: traced whole
+        return None
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    if len(lists) != 1:
+        return None
+    signatures = {_layer_signature(layer) for layer in lists[0]}
+    return count if len(signatures) == 1 else None
+
+
+def with_layers(config: Any, layers: int) -> Any:
+    """``config`` with its first ``layers`` decoder layers (its per-layer lists cut alike)."""
+    count = config.num_hidden_layers
+    config = copy.deepcopy(config)
+    for key, value in list(vars(config).items()):
+        if isinstance(value, (list, tuple)) and len(value) == count:
+            setattr(config, key, type(value)(value[:layers]))
+    config.num_hidden_layers = layers
+    return config
+
+
+def trace_layers(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32, sp: int = 1,
+                 gradient_buffer_bytes: int = 0, gradients_leave: bool = False, tiled_mlp: Any = 0,
+                 tiled_loss: Any = 0, offload_checkpoints: bool = False,
+                 gradient_checkpointing: bool = False, ring: int = 1,
+                 vision_units: Optional[list[tuple[int, int, int]]] = None,
+                 attention_chunk: Optional[int] = None) -> TracedStep:
     """Count one forward and backward pass of a Hugging Face causal LM built from ``config`` over one rank's
     ``[batch_size, tokens]`` shard in ``dtype``, on the meta device, with the exchange of ``sp`` ranks around
     attention. ``gradient_buffer_bytes``: what the ZeRO optimizer allocates when the first gradient arrives and keeps

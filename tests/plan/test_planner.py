@@ -429,3 +429,50 @@ def test_the_tiled_mlp_and_loss_traced_on_three_tiles_have_every_tiles_peak(monk
     monkeypatch.setattr(activations, "SAMPLE_TILES", False)
     every = trace_step(config, tokens, **kwargs)
     assert (sampled.peak, sampled.host) == (every.peak, every.host)
+
+
+ALIKE = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=6, num_attention_heads=8,
+                    num_key_value_heads=2, max_position_embeddings=8192, pad_token_id=0)
+ALIKE_SETTINGS = {
+    "plain": dict(),
+    "sp2-zero2-bf16": dict(sp=2, dtype=torch.bfloat16, gradient_buffer_bytes=2**20, gradients_leave=True),
+    "alst": dict(sp=2, tiled_mlp="auto", tiled_loss=8, offload_checkpoints=True, gradients_leave=True),
+    "offload-attention": dict(sp=2, attention_chunk=512, offload_checkpoints=True, tiled_loss=4),
+    "ring": dict(sp=4, ring=2),
+    "model-checkpointing": dict(gradient_checkpointing=True),
+}
+
+
+@pytest.mark.parametrize("name", list(ALIKE_SETTINGS))
+def test_a_model_of_alike_layers_is_planned_from_two_and_three_to_the_byte(name):
+    """A model whose decoder layers are all alike is traced with 2 and 3 layers and planned along the line through
+    them: the same peak, parts, host bytes and parameter counts as the trace of all 6 layers, for each switch."""
+    from lightning_ulysses.plan.activations import trace_layers, uniform_layers
+
+    assert uniform_layers(ALIKE) == 6
+    sampled = trace_step(ALIKE, 2048, **ALIKE_SETTINGS[name])
+    whole = trace_layers(ALIKE, 2048, **ALIKE_SETTINGS[name])
+    assert (sampled.peak, sampled.host) == (whole.peak, whole.host)
+    assert {k: v for k, v in sampled.by_kind.items() if v} == {k: v for k, v in whole.by_kind.items() if v}
+    assert (sampled.parameters, sampled.trainable, sampled.numels, sampled.largest_layer, sampled.module_numels) == (
+        whole.parameters, whole.trainable, whole.numels, whole.largest_layer, whole.module_numels)
+
+
+def test_models_whose_layers_differ_are_traced_whole():
+    """Layers that differ (alternating sliding windows, a hybrid's mixers, dense layers before the experts) are not
+    sampled: the plan traces them all."""
+    from transformers import AutoConfig
+
+    from lightning_ulysses.plan.activations import uniform_layers
+
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128)
+    assert uniform_layers(AutoConfig.for_model("qwen3_moe", moe_intermediate_size=32, num_experts=4,
+                                               num_experts_per_tok=2, **common)) == 6
+    assert uniform_layers(AutoConfig.for_model("gemma3_text", head_dim=16, **common)) is None  # windows alternate
+    assert uniform_layers(AutoConfig.for_model(
+        "qwen3_5_text", head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, **common)) is None  # gated delta nets and attention
+    assert uniform_layers(AutoConfig.for_model(
+        "qwen3_moe", moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
+        **common)) is None  # a dense layer before the experts
