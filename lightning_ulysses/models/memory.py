@@ -1,7 +1,9 @@
 """ALST memory features for Hugging Face causal LMs, switched on per model and removed after the Trainer finishes.
 
 * **Tiled MLP**: each decoder layer's MLP runs on ``tiles`` slices of the sequence and is recomputed slice by slice in
-  backward, so the ``[s, intermediate]`` activations never exist for the whole shard. Same algorithm as DeepSpeed's
+  backward, so the ``[s, intermediate]`` activations never exist for the whole shard. The layer's norms run the same
+  way (their eager backward in 16 bits holds several float32 ``[s, H]`` temporaries at once: in a checkpointed layer
+  the step's largest moment; tiled, one tile's worth). Same algorithm as DeepSpeed's
   ``TiledMLP``, but with exactly ``tiles`` slices for every shard length (``torch.tensor_split``, empty slices
   allowed): DeepSpeed's ``torch.chunk`` returns fewer chunks for some lengths (10 tokens in 6 tiles: 5 chunks),
   and then never marks the weight gradients ready for ZeRO's reduction, and ranks with different lengths issue
@@ -17,7 +19,9 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -99,16 +103,43 @@ def _decoder_mlps(model: nn.Module) -> list[nn.Module]:
     return [m for name, m in model.named_modules() if name.endswith(".mlp") and hasattr(m, "forward")]
 
 
+_NORM_CLASS = re.compile(r"(RMS|Layer)Norm$")  # LlamaRMSNorm, GemmaRMSNorm, nn.LayerNorm, OlmoLayerNorm, ...
+
+
+def _decoder_norms(model: nn.Module) -> list[nn.Module]:
+    """The norms of the hidden states: the direct children of each decoder layer (the parent of an ``.mlp``) and of
+    the model that holds the layers (its final norm) of a ``...RMSNorm``/``...LayerNorm`` class whose forward takes
+    one input (``[B, s, H]``, each token on its own; gated norms of two inputs are left alone). Their eager backward
+    in 16 bits holds several float32 ``[s, H]`` temporaries at once (the upcast input, the normalised values, their
+    products with the gradient): with the layers checkpointed, the step's largest moment (the final norm's backward,
+    then each layer's), which a tiled norm holds for one tile."""
+    layers = {name.rpartition(".")[0] for name, _ in model.named_modules() if name.endswith(".mlp")}
+    owners = layers | {layer.rpartition(".")[0].rpartition(".")[0] for layer in layers}  # "model.layers.3" -> "model"
+    return [module for name, module in model.named_modules()
+            if name and name.rpartition(".")[0] in owners and _NORM_CLASS.search(type(module).__name__)
+            and _one_input(type(module).forward)]
+
+
+def _one_input(forward: Any) -> bool:
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):
+        return False
+    required = [p for p in parameters if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) == 1 and not any(p.kind == p.VAR_POSITIONAL for p in parameters)
+
+
 def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepContext]) -> None:
     """Switch ``features`` on for the Hugging Face causal LM ``model`` (undo with :func:`disable`)."""
     if not features.any or held_on_instance(model, _MEMORY_STATE):
         return
     saved: dict[str, Any] = {"mlps": [], "forward": None, "checkpointing": False}
-    if features.tiled_mlp:
+    if features.tiled_mlp:  # each decoder layer's per-token modules: its MLP and its norms
         hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
-        for mlp in _decoder_mlps(model):
-            _tile_mlp(mlp, features.tiled_mlp, hidden_size, context)
-            saved["mlps"].append(mlp)
+        for module in _decoder_mlps(model) + _decoder_norms(model):
+            _tile_mlp(module, features.tiled_mlp, hidden_size, context)
+            saved["mlps"].append(module)
     if features.tiled_loss or features.offload_checkpoints:
         saved["forward"] = on_instance(model, "forward")
         model.forward = _memory_forward(model, features, context)  # type: ignore[method-assign]

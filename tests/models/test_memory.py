@@ -1,0 +1,66 @@
+"""The tiled MLP's norms (models/memory.py): which modules are tiled, and what tiling them changes: nothing in the
+results, the norms' float32 temporaries in the memory. In process, on CPU (the launched exactness against one device
+at ZeRO 2 and 3: tests/test_memory_features.py, whose `tiled_mlp` runs tile the norms too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightning_ulysses import TensorMemoryTracker
+from lightning_ulysses.models import memory
+
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=128)
+
+
+def _norm_names(model_type: str, **sizes) -> list[str]:
+    config = AutoConfig.for_model(model_type, **COMMON, **sizes)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    norms = memory._decoder_norms(model)
+    return [name for name, module in model.named_modules() if any(module is n for n in norms)]
+
+
+def test_the_norms_of_each_layer_and_the_final_norm_are_tiled():
+    assert _norm_names("llama") == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
+                                    "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
+                                    "model.norm"]
+    assert len(_norm_names("gemma3_text", head_dim=16)) == 9  # four per layer ((1 + w) norms) and the final one
+    assert _norm_names("gpt2")[-1] == "transformer.ln_f"  # nn.LayerNorm, other names
+    qwen3 = _norm_names("qwen3", head_dim=16)
+    assert not any("q_norm" in name or "k_norm" in name for name in qwen3)  # per head, inside attention: left alone
+
+
+def _step(dtype: torch.dtype, tiled_norms: bool, monkeypatch) -> tuple[int, list[torch.Tensor], float]:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", **{**COMMON, "hidden_size": 128, "num_hidden_layers": 3},
+                                  attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    if not tiled_norms:
+        monkeypatch.setattr(memory, "_decoder_norms", lambda model: [])
+    memory.enable(model, memory.MemoryFeatures(tiled_mlp=8, offload_checkpoints=True), None)
+    ids = torch.randint(0, 128, (1, 2048), generator=torch.Generator().manual_seed(1))
+    with TensorMemoryTracker() as tracker:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    memory.disable(model)
+    monkeypatch.undo()
+    return tracker.result().peak_bytes, [p.grad.float() for p in model.parameters()], float(loss)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_norms_give_the_same_gradients_and_drop_their_temporaries(dtype, monkeypatch):
+    """With the layers checkpointed the norms' eager backward is the step's largest moment (in bf16 several float32
+    ``[s, H]`` temporaries at once); tiled, the peak falls and the loss and gradients stay (fp32: 1e-6; bf16: the
+    same bits' worth, 1e-2 of the largest)."""
+    plain_peak, plain_grads, plain_loss = _step(dtype, False, monkeypatch)
+    tiled_peak, tiled_grads, tiled_loss = _step(dtype, True, monkeypatch)
+    assert tiled_loss == plain_loss
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    for a, b in zip(tiled_grads, plain_grads):
+        assert (a - b).abs().max() <= tolerance * b.abs().max() + 1e-12
+    hidden_bytes = 2048 * 128 * torch.finfo(dtype).bits // 8  # one [s, H] tensor
+    print(f"[measured] {dtype}: peak {plain_peak / hidden_bytes:.1f} -> {tiled_peak / hidden_bytes:.1f} [s, H] tensors")
+    assert tiled_peak <= plain_peak - (4 if dtype == torch.bfloat16 else 1) * hidden_bytes
