@@ -59,6 +59,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--gpus", type=int, help="ranks in all (default: each sp)")
     parser.add_argument("--device", choices=sorted(DEVICES), help="the device whose memory is the budget")
     parser.add_argument("--memory-gib", type=float, help="the budget per rank instead of --device's memory")
+    parser.add_argument("--host-memory-gib", type=float,
+                        help="--longest: also the host memory per rank the offloaded states and checkpoints may take")
     parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3))
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd_momentum"))
@@ -127,7 +129,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if budget is not None:
             entry["budget"], entry["fits"] = budget, plan.peak <= budget
             if args.longest:
-                entry["longest_seq_len"] = longest_sequence(config, budget, **settings)
+                entry["longest_seq_len"] = longest_sequence(
+                    config, budget, host_budget_bytes=int(args.host_memory_gib * GIB) if args.host_memory_gib else None,
+                    **settings)
         found.append(entry)
         if not args.json:
             print(plan.table())

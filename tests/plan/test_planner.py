@@ -476,3 +476,20 @@ def test_models_whose_layers_differ_are_traced_whole():
     assert uniform_layers(AutoConfig.for_model(
         "qwen3_moe", moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
         **common)) is None  # a dense layer before the experts
+
+
+def test_the_longest_sequence_can_be_bound_by_the_host_memory_the_checkpoints_take():
+    """With checkpoints offloaded the host memory grows with the sequence too: given a host budget per rank, the
+    longest sequence is the longest whose device peak and host bytes both fit (one step longer, one of them does
+    not)."""
+    settings = dict(sp_size=2, world_size=2, stage=2, precision="32-true", tiled_mlp="auto", tiled_loss="auto",
+                    offload_checkpoints=True, reduce_bucket_size=1_000_000)
+    budget = 64 * 2**20
+    device_only = longest_sequence(CONFIG, budget, **settings)
+    host_at_longest = plan_memory(CONFIG, device_only, **settings)
+    host_budget = (host_at_longest.states.host + host_at_longest.host_checkpoints) // 2
+    bound = longest_sequence(CONFIG, budget, host_budget_bytes=host_budget, **settings)
+    assert 0 < bound < device_only
+    fits, longer = plan_memory(CONFIG, bound, **settings), plan_memory(CONFIG, bound + 1024, **settings)
+    assert fits.peak <= budget and fits.states.host + fits.host_checkpoints <= host_budget
+    assert longer.peak > budget or longer.states.host + longer.host_checkpoints > host_budget
