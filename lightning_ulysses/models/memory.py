@@ -169,6 +169,10 @@ def _tile_mlp(mlp: nn.Module, setting: TileSetting, hidden_size: int, context: O
 
     def tiled_forward(x: torch.Tensor) -> torch.Tensor:  # x: [B, s, H]
         tiles = tile_count(setting, _agreed_shard_len(x.shape[-2], context), hidden_size or x.shape[-1])
+        if torch.is_grad_enabled() and not x.requires_grad and any(p.requires_grad for p in params):
+            # an input without a gradient (the first norm after frozen embeddings): the weights are not inputs of
+            # the node, so it joins the graph only through an input that asks for one
+            x = x.detach().requires_grad_()
         return TiledMLP.apply(original, x, tiles, params)
 
     mlp.forward = tiled_forward  # type: ignore[method-assign]

@@ -64,3 +64,23 @@ def test_tiled_norms_give_the_same_gradients_and_drop_their_temporaries(dtype, m
     hidden_bytes = 2048 * 128 * torch.finfo(dtype).bits // 8  # one [s, H] tensor
     print(f"[measured] {dtype}: peak {plain_peak / hidden_bytes:.1f} -> {tiled_peak / hidden_bytes:.1f} [s, H] tensors")
     assert tiled_peak <= plain_peak - (4 if dtype == torch.bfloat16 else 1) * hidden_bytes
+
+
+def test_a_tiled_norm_after_frozen_embeddings_still_trains_its_weight():
+    """The first norm's input comes from the embedding: frozen, it carries no gradient, and the norm's weight (not an
+    input of the tiled node) must still get its own: equal to the untiled model's."""
+    grads = []
+    for tiled in (False, True):
+        torch.manual_seed(0)
+        config = AutoConfig.for_model("llama", **COMMON, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config)
+        model.get_input_embeddings().weight.requires_grad_(False)
+        if tiled:
+            memory.enable(model, memory.MemoryFeatures(tiled_mlp=4), None)
+        ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        norm = model.model.layers[0].input_layernorm.weight
+        assert norm.grad is not None
+        grads.append(norm.grad.clone())
+        memory.disable(model)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
