@@ -14,6 +14,8 @@
 #
 # On a machine without a GPU it checks nothing, prints a one-line summary and exits 0 (CI machines have none).
 # Environment: GPU_CHECK_LENGTHS (sweep sequence lengths, default "16384 32768"), GPU_CHECK_SKIP_SWEEP=1,
+# GPU_CHECK_CONFIGS (the sweep's configurations, default "plain alst offload alst-offload"), GPU_CHECK_PYTEST_ARGS
+# (added to pytest's, e.g. "-k 'not flex'": the flex_attention cases compile for about 110 s each on an H100),
 # GPU_CHECK_PYTHON: an interpreter that already has the stack (a machine with no package index, e.g. torch from the
 # machine's image and the rest from carried wheels on PYTHONPATH): no .venv is made, nothing is installed.
 set -uo pipefail
@@ -63,7 +65,9 @@ fi
 
 cd "$ROOT"
 rc=0
-"$PY" -m pytest tests/test_cuda.py -v -rs --junitxml="$OUT/junit.xml" > "$OUT/test_cuda.log" 2>&1 || rc=$?
+# shellcheck disable=SC2086
+"$PY" -m pytest tests/test_cuda.py ${GPU_CHECK_PYTEST_ARGS:-} -v -rs --junitxml="$OUT/junit.xml" > "$OUT/test_cuda.log" 2>&1 \
+    || rc=$?
 {
     echo
     echo "## tests/test_cuda.py (exit $rc)"
