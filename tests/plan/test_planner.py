@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from lightning_ulysses import TensorMemoryTracker
 from lightning_ulysses.plan import longest_sequence, plan_memory
@@ -440,7 +440,12 @@ ALIKE_SETTINGS = {
     "offload-attention": dict(sp=2, attention_chunk=512, offload_checkpoints=True, tiled_loss=4),
     "ring": dict(sp=4, ring=2),
     "model-checkpointing": dict(gradient_checkpointing=True),
+    "moe": dict(sp=2, tiled_mlp="auto", offload_checkpoints=True),  # on ALIKE_MOE
 }
+ALIKE_MOE = AutoConfig.for_model("qwen3_moe", vocab_size=1024, hidden_size=128, intermediate_size=352, head_dim=16,
+                                 num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
+                                 moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                                 max_position_embeddings=8192, pad_token_id=0)
 
 
 @pytest.mark.parametrize("name", list(ALIKE_SETTINGS))
@@ -449,9 +454,10 @@ def test_a_model_of_alike_layers_is_planned_from_two_and_three_to_the_byte(name)
     them: the same peak, parts, host bytes and parameter counts as the trace of all 6 layers, for each switch."""
     from lightning_ulysses.plan.activations import trace_layers, uniform_layers
 
-    assert uniform_layers(ALIKE) == 6
-    sampled = trace_step(ALIKE, 2048, **ALIKE_SETTINGS[name])
-    whole = trace_layers(ALIKE, 2048, **ALIKE_SETTINGS[name])
+    config = ALIKE_MOE if name == "moe" else ALIKE
+    assert uniform_layers(config) == 6
+    sampled = trace_step(config, 2048, **ALIKE_SETTINGS[name])
+    whole = trace_layers(config, 2048, **ALIKE_SETTINGS[name])
     assert (sampled.peak, sampled.host) == (whole.peak, whole.host)
     assert {k: v for k, v in sampled.by_kind.items() if v} == {k: v for k, v in whole.by_kind.items() if v}
     assert (sampled.parameters, sampled.trainable, sampled.numels, sampled.largest_layer, sampled.module_numels) == (
