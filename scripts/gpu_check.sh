@@ -14,7 +14,8 @@
 #
 # On a machine without a GPU it checks nothing, prints a one-line summary and exits 0 (CI machines have none).
 # Environment: GPU_CHECK_LENGTHS (sweep sequence lengths, default "16384 32768"), GPU_CHECK_SKIP_SWEEP=1,
-# GPU_CHECK_CONFIGS (the sweep's configurations, default "plain alst offload alst-offload"), GPU_CHECK_PYTEST_ARGS
+# GPU_CHECK_CONFIGS (the sweep's configurations, default "plain alst offload alst-offload"), GPU_CHECK_LONG_LENGTHS
+# (default "131072": the memory switches alone at lengths where activations set their peak; "" skips), GPU_CHECK_PYTEST_ARGS
 # (added to pytest's, e.g. "-k 'not flex'": the flex_attention cases compile for about 110 s each on an H100),
 # GPU_CHECK_PYTHON: an interpreter that already has the stack (a machine with no package index, e.g. torch from the
 # machine's image and the rest from carried wheels on PYTHONPATH): no .venv is made, nothing is installed.
@@ -87,6 +88,18 @@ if [[ "${GPU_CHECK_SKIP_SWEEP:-0}" != "1" ]]; then
             --configs ${GPU_CHECK_CONFIGS:-plain alst offload alst-offload} --steps 5 --max-length 0 \
             > "$OUT/sweep.log" 2>&1; then
         cp benchmarks/out/sweep.csv "$OUT/sweep.csv"
+        # the memory switches at a length where activations, not the model's states, set their peak (the plain
+        # configurations do not fit there): appended to the same table
+        long_lengths="${GPU_CHECK_LONG_LENGTHS-131072}"
+        if [[ -n "$long_lengths" ]]; then
+            # shellcheck disable=SC2086
+            if "$PY" benchmarks/sweep.py --lengths $long_lengths --sp $sps "${model_flags[@]}" \
+                    --configs alst alst-offload --steps 3 --max-length 0 >> "$OUT/sweep.log" 2>&1; then
+                tail -n +2 benchmarks/out/sweep.csv >> "$OUT/sweep.csv"
+            else
+                echo "(the long-sequence sweep at $long_lengths failed: sweep.log)" >> "$REPORT"
+            fi
+        fi
         {
             echo
             echo "## benchmarks/sweep.py (hidden 2048, 8 layers, 16 heads, bf16 on CUDA)"
