@@ -180,7 +180,8 @@ def _tile_mlp(mlp: nn.Module, setting: TileSetting, hidden_size: int, context: O
 
 class TiledMLP(torch.autograd.Function):
     """``mlp(x)`` computed on exactly ``tiles`` slices of the sequence dimension (-2), keeping only ``x`` for
-    backward, where each slice is recomputed and back-propagated on its own.
+    backward, where each slice is recomputed and back-propagated on its own. ``mlp``: any module that treats each
+    token on its own (a decoder layer's MLP, the hidden states' norms: :func:`_decoder_norms`).
 
     Exactly ``tiles`` slices for every length (``torch.tensor_split``; slices may be empty): every rank runs the MLP
     the same number of times (ZeRO-3 gathers its weights per call), and the last slice is known, so the weights'
