@@ -193,6 +193,7 @@ class TiledMLP(torch.autograd.Function):
         # ``params`` is a list, not tensor arguments: as inputs of this node their AccumulateGrad nodes would run
         # again (with no gradient) after this backward, and ZeRO's hooks on them would reduce a second time.
         ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
+        ctx.rng = _rng_states(x.device)  # backward replays the tiles with the random numbers they drew here (dropout)
         ctx.save_for_backward(x)
         out: Optional[torch.Tensor] = None
         x_tiles = torch.tensor_split(x, tiles, dim=-2)  # [B, s/tiles, H] each
@@ -217,20 +218,46 @@ class TiledMLP(torch.autograd.Function):
         starts = [0]
         for x_tile in x_tiles:
             starts.append(starts[-1] + x_tile.shape[-2])
-        for index in _tiles_run(ctx.tiles):
-            x_tile, grad_tile, start = x_tiles[index], grad_tiles[index], starts[index]
-            last = index == ctx.tiles - 1
-            for param in ctx.params:  # ZeRO reduces a weight's gradient once every slice has added to it
-                _compat.defer_zero3_gradient(param, ready=last)
-            x_tile = x_tile.requires_grad_(grad_x is not None)
-            with torch.enable_grad():
-                out_tile = ctx.mlp(x_tile)
-            torch.autograd.backward(out_tile, grad_tile)  # adds to the weights' .grad (and to x_tile.grad)
-            if grad_x is not None:
-                length = x_tile.shape[-2]
-                grad_x.narrow(-2, start, length).copy_(x_tile.grad)
-                x_tile.grad = None  # (the tuple of tiles keeps x_tile: its gradient would stay to the end)
+        with _replayed_rng(x.device, ctx.rng):
+            _tiles_backward(ctx, x_tiles, grad_tiles, starts, grad_x)
         return None, grad_x, None, None
+
+
+def _rng_states(device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The CPU generator's state and, on CUDA, the device's: what a module's dropout draws from."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def _replayed_rng(device: torch.device, states: tuple[torch.Tensor, Optional[torch.Tensor]]) -> Any:
+    """The random generators set to ``states`` inside, and put back as they were after (``torch.utils.checkpoint``'s
+    rule): a tile recomputed in backward draws the dropout masks its forward drew, so the gradients are those of the
+    loss the forward computed. The tiles run in the forward's order and draw one after another, as there."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state(states[1], device)
+        yield
+
+
+def _tiles_backward(ctx: Any, x_tiles: tuple, grad_tiles: tuple, starts: list[int],
+                    grad_x: Optional[torch.Tensor]) -> None:
+    """:class:`TiledMLP`'s backward, tile by tile in the forward's order: each tile recomputed and back-propagated
+    on its own, its input gradient written into ``grad_x [B, s, H]``, the weights' gradients added in place."""
+    for index in _tiles_run(ctx.tiles):
+        x_tile, grad_tile, start = x_tiles[index], grad_tiles[index], starts[index]
+        last = index == ctx.tiles - 1
+        for param in ctx.params:  # ZeRO reduces a weight's gradient once every slice has added to it
+            _compat.defer_zero3_gradient(param, ready=last)
+        x_tile = x_tile.requires_grad_(grad_x is not None)
+        with torch.enable_grad():
+            out_tile = ctx.mlp(x_tile)
+        torch.autograd.backward(out_tile, grad_tile)  # adds to the weights' .grad (and to x_tile.grad)
+        if grad_x is not None:
+            length = x_tile.shape[-2]
+            grad_x.narrow(-2, start, length).copy_(x_tile.grad)
+            x_tile.grad = None  # (the tuple of tiles keeps x_tile: its gradient would stay to the end)
 
 
 loss_graph.register_sharded_computation(TiledMLP)  # a tile of the MLP on this rank's shard
