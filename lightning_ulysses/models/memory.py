@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -103,21 +102,26 @@ def _decoder_mlps(model: nn.Module) -> list[nn.Module]:
     return [m for name, m in model.named_modules() if name.endswith(".mlp") and hasattr(m, "forward")]
 
 
-_NORM_CLASS = re.compile(r"(RMS|Layer)Norm$")  # LlamaRMSNorm, GemmaRMSNorm, nn.LayerNorm, OlmoLayerNorm, ...
-
-
 def _decoder_norms(model: nn.Module) -> list[nn.Module]:
-    """The norms of the hidden states: the direct children of each decoder layer (the parent of an ``.mlp``) and of
-    the model that holds the layers (its final norm) of a ``...RMSNorm``/``...LayerNorm`` class whose forward takes
-    one input (``[B, s, H]``, each token on its own; gated norms of two inputs are left alone). Their eager backward
-    in 16 bits holds several float32 ``[s, H]`` temporaries at once (the upcast input, the normalised values, their
-    products with the gradient): with the layers checkpointed, the step's largest moment (the final norm's backward,
-    then each layer's), which a tiled norm holds for one tile."""
+    """The norms of the hidden states, recognised by shape: the direct children of each decoder layer (the parent
+    of an ``.mlp``) and of the model that holds the layers (its final norm) that have no children, whose parameters
+    are all ``[hidden_size]`` (a scale, a bias) and whose forward takes one input (``[B, s, H]``, each token on its
+    own; gated norms of two inputs are left alone). Their eager backward in 16 bits holds several float32 ``[s, H]``
+    temporaries at once (the upcast input, the normalised values, their products with the gradient): with the layers
+    checkpointed, the step's largest moment (the final norm's backward, then each layer's), which a tiled norm holds
+    for one tile. Norms without parameters (OLMo's) are not recognised and run whole."""
+    config = model.config
+    hidden = getattr(config, "hidden_size", None) or getattr(getattr(config, "text_config", None), "hidden_size", None)
     layers = {name.rpartition(".")[0] for name, _ in model.named_modules() if name.endswith(".mlp")}
     owners = layers | {layer.rpartition(".")[0].rpartition(".")[0] for layer in layers}  # "model.layers.3" -> "model"
-    return [module for name, module in model.named_modules()
-            if name and name.rpartition(".")[0] in owners and _NORM_CLASS.search(type(module).__name__)
-            and _one_input(type(module).forward)]
+    found = []
+    for name, module in model.named_modules():
+        if not name or name.rpartition(".")[0] not in owners or next(module.children(), None) is not None:
+            continue
+        shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in module.parameters()]  # ZeRO 3: the whole shape
+        if hidden and shapes and all(shape == (hidden,) for shape in shapes) and _one_input(type(module).forward):
+            found.append(module)
+    return found
 
 
 def _one_input(forward: Any) -> bool:
