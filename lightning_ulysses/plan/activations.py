@@ -630,42 +630,27 @@ def _gradient_hooks(model: torch.nn.Module, gradient_buffer_bytes: int, gradient
 SAMPLED_LAYERS = (2, 3)  # a model of identical decoder layers is traced with this many, then along the line
 
 
-def trace_step(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32, sp: int = 1,
-               gradient_buffer_bytes: int = 0, gradients_leave: bool = False, tiled_mlp: Any = 0,
-               tiled_loss: Any = 0, offload_checkpoints: bool = False,
-               gradient_checkpointing: bool = False, ring: int = 1,
-               vision_units: Optional[list[tuple[int, int, int]]] = None,
-               attention_chunk: Optional[int] = None) -> TracedStep:
-    """:func:`trace_layers` of the whole model; for a model whose decoder layers are all alike
+def trace_step(config: Any, tokens: int, *args: Any, **kwargs: Any) -> TracedStep:
+    """:func:`trace_layers` (the same arguments) of the whole model; for a model whose decoder layers are all alike
     (:func:`uniform_layers`) and more than ``SAMPLED_LAYERS[1] + 1`` of them, the same two traces of
     ``SAMPLED_LAYERS`` layers and the line through them: every part of a step's peak (the saved activations, the
     checkpoints on the host, the gradients in flight) is the same per layer, so the step at ``L`` layers is
     ``t(2) + (L - 2) · (t(3) - t(2))``, equal to the whole trace to the byte (``tests/plan/test_planner.py``) at an
     eighth of its time for 32 layers. The parameter counts come from the whole model built on the meta device;
     ``by_layer`` is the last sampled trace's."""
-    arguments = dict(batch_size=batch_size, dtype=dtype, sp=sp, gradient_buffer_bytes=gradient_buffer_bytes,
-                     gradients_leave=gradients_leave, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
-                     offload_checkpoints=offload_checkpoints, gradient_checkpointing=gradient_checkpointing,
-                     ring=ring, vision_units=vision_units, attention_chunk=attention_chunk)
-    layers = uniform_layers(config)
+    layers, model = _alike_layers(config)
     if layers is None or layers <= SAMPLED_LAYERS[1] + 1:
-        return trace_layers(config, tokens, **arguments)
-    first, second = (trace_layers(with_layers(config, n), tokens, **arguments) for n in SAMPLED_LAYERS)
+        return trace_layers(config, tokens, *args, **kwargs)
+    first, second = (trace_layers(with_layers(config, n), tokens, *args, **kwargs) for n in SAMPLED_LAYERS)
     steps = layers - SAMPLED_LAYERS[0]
 
     def line(a: int, b: int) -> int:
         return a + steps * (b - a)
 
-    model = _meta_model(config, dtype)
     kinds = set(first.by_kind) | set(second.by_kind)
     by_kind = {kind: line(first.by_kind.get(kind, 0), second.by_kind.get(kind, 0)) for kind in kinds}
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    return TracedStep(line(first.peak, second.peak), by_kind, dict(second.by_layer),
-                      sum(p.numel() for p in model.parameters()),
-                      sum(p.numel() for p in model.parameters() if p.requires_grad),
-                      tuple(p.numel() for p in model.parameters()),
-                      max((sum(p.numel() for p in layer.parameters()) for layer in max(lists, key=len)), default=0)
-                      if lists else 0, line(first.host, second.host), _module_numels(model), 0)
+    return TracedStep(line(first.peak, second.peak), by_kind, dict(second.by_layer), *_parameter_counts(model),
+                      line(first.host, second.host), _module_numels(model), 0)
 
 
 def _meta_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
@@ -697,22 +682,26 @@ def uniform_layers(config: Any) -> Optional[int]:
     the meta device: every layer's modules, parameter shapes and plain settings equal, and every per-layer list of
     the config, such as ``layer_types``, one value); ``None`` otherwise (alternating windows, hybrids' mixers, dense
     layers before the experts, vision-language models, anything not built this way), which are traced whole."""
+    return _alike_layers(config)[0]
+
+
+def _alike_layers(config: Any) -> tuple[Optional[int], Optional[torch.nn.Module]]:
+    """:func:`uniform_layers`'s count and the meta model it was read from (the plan's parameter counts)."""
     try:
         if getattr(config, "vision_config", None) is not None:
-            return None
+            return None, None
         count = int(getattr(config, "num_hidden_layers", 0) or 0)
         per_layer = [value for value in config.to_dict().values() if isinstance(value, (list, tuple))
                      and len(value) == count]
         if count < 1 or any(len({repr(v) for v in value}) > 1 for value in per_layer):
-            return None
+            return None, None
         model = _meta_model(config, torch.float32)
     except Exception:  # noqa: BLE001 - a config not built this way: traced whole
-        return None
+        return None, None
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
-    if len(lists) != 1:
-        return None
-    signatures = {_layer_signature(layer) for layer in lists[0]}
-    return count if len(signatures) == 1 else None
+    if len(lists) != 1 or len({_layer_signature(layer) for layer in lists[0]}) != 1:
+        return None, model
+    return count, model
 
 
 def with_layers(config: Any, layers: int) -> Any:
@@ -782,14 +771,20 @@ def trace_layers(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dty
     by_kind = dict(step.by_kind)
     if vision:
         by_kind["vision tower (kept for backward)"] = vision
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    layers = max(lists, key=len) if lists else []
-    return TracedStep(step.peak_bytes + vision, by_kind, dict(step.by_layer),
-                      sum(p.numel() for p in model.parameters()),
-                      sum(p.numel() for p in model.parameters() if p.requires_grad),
-                      tuple(p.numel() for p in model.parameters()),
-                      max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
+    return TracedStep(step.peak_bytes + vision, by_kind, dict(step.by_layer), *_parameter_counts(model),
                       host[0] + attention_host[0], _module_numels(model), vision)
+
+
+def _parameter_counts(model: torch.nn.Module, layers: Optional[Any] = None) -> tuple[int, int, tuple[int, ...], int]:
+    """:class:`TracedStep`'s ``parameters``, ``trainable``, ``numels`` and ``largest_layer`` (over ``layers``, by
+    default the model's longest ModuleList)."""
+    if layers is None:
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        layers = max(lists, key=len) if lists else []
+    return (sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for p in model.parameters() if p.requires_grad),
+            tuple(p.numel() for p in model.parameters()),
+            max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0))
 
 
 def _module_numels(model: torch.nn.Module) -> tuple[tuple[int, ...], ...]:
@@ -840,10 +835,5 @@ def trace_litgpt_step(config: Any, tokens: int, batch_size: int = 1, dtype: torc
     step = tracker.result()
     by_kind = dict(step.by_kind)
     by_kind["RoPE cache (cos, sin)"] = rope_cache
-    layers = model.transformer.h
     return TracedStep(step.peak_bytes + rope_cache, by_kind, dict(step.by_layer),
-                      sum(p.numel() for p in model.parameters()),
-                      sum(p.numel() for p in model.parameters() if p.requires_grad),
-                      tuple(p.numel() for p in model.parameters()),
-                      max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
-                      0, _module_numels(model), 0)
+                      *_parameter_counts(model, model.transformer.h), 0, _module_numels(model), 0)
