@@ -97,7 +97,8 @@ class SequenceParallelConfig:
     @property
     def memory_features(self) -> MemoryFeatures:
         """The ALST memory switches."""
-        return MemoryFeatures(self.tiled_mlp, self.tiled_loss, self.offload_checkpoints)
+        return MemoryFeatures(self.tiled_mlp, self.tiled_loss, self.offload_checkpoints,
+                              ulysses_offload=self.attention_chunk is not None)
 
     @property
     def attention_chunk(self) -> Optional[int]:

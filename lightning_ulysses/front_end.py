@@ -158,7 +158,7 @@ class SequenceParallelFrontEnd:
         settings = auto_plan.AutoSettings(
             sequence_length=int(self.settings.sequence_length), devices_per_node=self.num_processes,
             nodes=self.num_nodes, budget_bytes=int(budget), precision=self._planned_precision(),
-            stage=int(zero.get("stage", 0)), memory_switches=self.memory_features.any,
+            stage=int(zero.get("stage", 0)), memory_switches=self.memory_features.alst,
             offload_optimizer=self._offloads_optimizer(),
             micro_batch=micro_batch if isinstance(micro_batch, int) else 1,
             device_name=torch.cuda.get_device_name(self.root_device) if self.root_device.type == "cuda" else "")

@@ -159,6 +159,36 @@ def trained():
     return results
 
 
+# With the ALST switches (the combination the longest sequence is planned for): the decoder layers run through the
+# strategy's own checkpoint (models/layer_checkpoint.py: no graph in the first forward, the recompute's saved tensors
+# in host memory on CUDA) and the rotary embedding in tiles of positions (models/rotary_tiles.py), here 6 positions a
+# tile (a query position is 4 heads of 16 float32: 256 bytes) so that the 16-position shards are cut unevenly.
+WITH_ALST = {"llama": ("zero2", "zero3"), "mistral": ("packed",), "qwen3_next": ("zero3",)}
+ALST_SWITCHES = {"offload_attention": CHUNK, "tiled_mlp": 3, "offload_checkpoints": True}
+
+
+@pytest.fixture(scope="module")
+def trained_with_alst():
+    classes = sweep.causal_lm_classes()
+    settings = ["zero2", "zero3", "packed"]
+    models = {m: classes[m] for m in WITH_ALST}
+    by_rank = launch(2, "causal_lm_sweep:run", {"models": models, "steps": sweep.STEPS, "settings": settings,
+                                                "strategy": ALST_SWITCHES, "rotary_tile_bytes": 1600,
+                                                "model_timeout": 120}, timeout=400)
+    return {(m, s): [r[f"{m}@{s}"] for r in by_rank] for m in models for s in settings}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model_type,setting", [(m, s) for m, settings in WITH_ALST.items() for s in settings])
+def test_training_with_offloaded_attention_and_the_alst_switches_is_one_devices(trained_with_alst, model_type,
+                                                                                 setting):
+    reference = sweep.train_reference(model_type, setting=setting)
+    got = sweep.classify(model_type, reference, trained_with_alst[(model_type, setting)], setting)
+    print(f"[measured] {model_type} {setting} + ALST: loss {got.get('loss_diff', float('nan')):.1e}, update"
+          f" {got.get('update_diff', float('nan')):.1e}")
+    assert got["outcome"] == sweep.EXACT, got
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("model_type,setting", [(m, s) for m, settings in CASES.items() for s in settings])
 def test_training_with_offloaded_attention_is_one_devices(trained, model_type, setting):

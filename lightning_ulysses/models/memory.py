@@ -13,7 +13,9 @@
   The normalisation happens on the summed loss *outside* the chunks, through autograd (DeepSpeed's
   ``TiledFusedLogitsLoss`` computes weight gradients inside its forward, where a later scale is lost).
 * **Checkpoint offload**: decoder layers run under activation checkpointing (``use_reentrant=False``) and the tensors
-  autograd keeps (the layer inputs) move to host memory until backward (tensors already on the host stay put).
+  autograd keeps (the layer inputs) move to host memory until backward (tensors already on the host stay put). With
+  ``ulysses_offload`` (the strategy's ``offload_attention``) the layers run again in backward through
+  :mod:`lightning_ulysses.models.layer_checkpoint`, whose recompute keeps its saved tensors in host memory as well.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ulysses import _compat
+from lightning_ulysses.models import layer_checkpoint
 from lightning_ulysses.patches import held_on_instance, on_instance, put_on_instance, take_from_instance
 from lightning_ulysses.training import loss_graph
 from lightning_ulysses.training.loss import cross_entropy_sum, step_loss_from_sum, token_statistics
@@ -53,6 +56,9 @@ class MemoryFeatures:
     tiled_mlp: TileSetting = 0  # sequence tiles per MLP call
     tiled_loss: TileSetting = 0  # sequence chunks for LM head + loss
     offload_checkpoints: bool = False  # checkpoint decoder layers, keep the checkpoints in CPU memory
+    # the strategy's offload_attention is on: the rotary embedding runs in tiles of positions, and with
+    # offload_checkpoints the layers' recompute keeps its saved tensors in host memory too
+    ulysses_offload: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tiled_mlp", "tiled_loss"):
@@ -66,6 +72,11 @@ class MemoryFeatures:
 
     @property
     def any(self) -> bool:
+        return bool(self.tiled_mlp or self.tiled_loss or self.offload_checkpoints or self.ulysses_offload)
+
+    @property
+    def alst(self) -> bool:
+        """Whether one of ALST's switches is on (tiled MLP, tiled loss, offloaded checkpoints)."""
         return bool(self.tiled_mlp or self.tiled_loss or self.offload_checkpoints)
 
     @property
@@ -138,7 +149,11 @@ def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepCon
     """Switch ``features`` on for the Hugging Face causal LM ``model`` (undo with :func:`disable`)."""
     if not features.any or held_on_instance(model, _MEMORY_STATE):
         return
-    saved: dict[str, Any] = {"mlps": [], "forward": None, "checkpointing": False}
+    saved: dict[str, Any] = {"mlps": [], "forward": None, "checkpointing": False, "rotary": []}
+    if features.ulysses_offload:
+        from lightning_ulysses.models import rotary_tiles
+
+        saved["rotary"] = rotary_tiles.install(model)
     if features.tiled_mlp:  # each decoder layer's per-token modules: its MLP and its norms
         hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
         for module in _decoder_mlps(model) + _decoder_norms(model):
@@ -150,6 +165,8 @@ def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepCon
     if features.offload_checkpoints:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         saved["checkpointing"] = True
+        if features.ulysses_offload:
+            layer_checkpoint.use_for_layers(model)
     put_on_instance(model, _MEMORY_STATE, saved)
 
 
@@ -159,6 +176,10 @@ def disable(model: nn.Module) -> None:
         return
     for mlp in saved["mlps"]:
         take_from_instance(mlp, "forward", None)
+    if saved.get("rotary"):
+        from lightning_ulysses.models import rotary_tiles
+
+        rotary_tiles.uninstall(saved["rotary"])
     if held_on_instance(model, "forward"):
         del model.forward
     if saved["forward"] is not None:
@@ -224,6 +245,8 @@ class TiledMLP(torch.autograd.Function):
             starts.append(starts[-1] + x_tile.shape[-2])
         with _replayed_rng(x.device, ctx.rng):
             _tiles_backward(ctx, x_tiles, grad_tiles, starts, grad_x)
+        if grad_x is not None:
+            layer_checkpoint.hand_on(grad_x)  # the final norm's: the last checkpointed layer may park it
         return None, grad_x, None, None
 
 

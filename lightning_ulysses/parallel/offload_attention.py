@@ -161,7 +161,7 @@ class _OffloadedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int,  # type: ignore[override]
-                window: Optional[int], scale: float, documents: Optional[torch.Tensor]) -> torch.Tensor:
+                window: Optional[int], scale: float, documents: Optional[torch.Tensor], keep: bool) -> torch.Tensor:
         B, hq, S, D = q.shape
         groups = hq // k.shape[1]
         kernel = block_kernel(q, v)
@@ -172,7 +172,7 @@ class _OffloadedAttention(torch.autograd.Function):
         store = ChunkStore(q.device)
         out = q.new_empty((B, S, hq, v.shape[-1])).transpose(1, 2)  # [B, hq, S, Dv] over the caller's layout
         saved = {"q": [], "k": [], "v": [], "out": [], "lse": []}
-        for j, (ka, kb) in enumerate(bounds):  # every chunk's k and v wait in the store once, as they are
+        for j, (ka, kb) in enumerate(bounds if keep else ()):  # every chunk's k and v wait in the store once
             saved["k"].append(store.put(k[:, :, ka:kb].contiguous()))
             saved["v"].append(store.put(v[:, :, ka:kb].contiguous()))
         for i, (qa, qb) in enumerate(bounds):
@@ -190,6 +190,8 @@ class _OffloadedAttention(torch.autograd.Function):
                 _merge(acc, acc_lse, out_b, lse_b.to(acc_dtype))
             out_i = acc.to(q.dtype)  # [B, hq, cq, Dv]: every query sees at least itself
             out[:, :, qa:qb] = out_i
+            if not keep:  # no backward will run (a forward without a graph): nothing to store
+                continue
             # q and the output wait in the input's dtype (a kernel on float32 copies converts them back): half the
             # host bytes in 16 bits; backward reads the output as the caller got it, as a flash kernel does
             saved["q"].append(store.put(q[:, :, qa:qb].contiguous()))
@@ -239,7 +241,7 @@ class _OffloadedAttention(torch.autograd.Function):
                 incoming = store.fetch(saved["dk"][j + 1]), store.fetch(saved["dv"][j + 1])
             dk[:, :, ka:kb], dv[:, :, ka:kb] = dk_j, dv_j
         ctx.saved = None
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _checked_scale(module: Any, q: torch.Tensor, kwargs: dict[str, Any]) -> float:
@@ -264,7 +266,7 @@ def offloaded_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.
         ``[B, S, hq, D]``.
     """
     scale = _checked_scale(module, q, kwargs)
-    out = _OffloadedAttention.apply(q, k, v, chunk, window, scale, documents)  # [B, hq, S, D]
+    out = _OffloadedAttention.apply(q, k, v, chunk, window, scale, documents, _backward_follows(q, k, v))
     return out.transpose(1, 2)  # [B, S, hq, D]
 
 
@@ -362,7 +364,7 @@ class _ChunkedUlysses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,  # type: ignore[override]
                 pieces_count: int, window: Optional[int], scale: float,
-                documents: Optional[torch.Tensor]) -> torch.Tensor:
+                documents: Optional[torch.Tensor], keep: bool) -> torch.Tensor:
         from lightning_ulysses.parallel.layout import group_size
 
         sp = group_size(group)
@@ -397,6 +399,9 @@ class _ChunkedUlysses(torch.autograd.Function):
                     _merge(acc[:, :, qs], acc_lse[:, :, qs], out_b, lse_b.to(acc_dtype))
             out_i = acc.to(q.dtype)  # [B, h, c, D]: every query sees at least itself; backward reads it as returned
             out[:, :, a:b] = _to_sequence_shards([out_i], group)[0]  # [B, Hq, p, D]
+            if not keep:  # no backward will run (a forward without a graph): nothing more to store
+                queries[i] = None
+                continue
             saved["q"].append(queries[i])
             saved["out"].append(store.put(out_i))
             saved["lse"].append(store.put(acc_lse.to(torch.float32) if kernel_dtype != torch.float64 else acc_lse))
@@ -447,7 +452,13 @@ class _ChunkedUlysses(torch.autograd.Function):
                 dv = dv_s.new_empty((B, dv_s.shape[1], s, dv_s.shape[-1]))
             dk[:, :, a:b], dv[:, :, a:b] = dk_s, dv_s
         ctx.saved = None
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _backward_follows(*tensors: torch.Tensor) -> bool:
+    """Whether a backward pass will need what the forward stores: not in a forward without a graph (evaluation, or
+    the first forward of a layer that :mod:`lightning_ulysses.models.layer_checkpoint` runs again in backward)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _key_chunks(store: ChunkStore, saved: dict[str, list], blocks: Iterator[tuple], gradients: Optional[torch.dtype]
@@ -494,5 +505,6 @@ def chunked_ulysses_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: 
     sp = group_size(group)
     k, v = replicate_kv_heads(k, sp), replicate_kv_heads(v, sp)  # fewer KV heads than ranks: one per rank
     pieces = max(1, -(-q.shape[2] * sp // chunk))
-    out = _ChunkedUlysses.apply(q, k, v, group, pieces, window, scale, documents)  # [B, Hq, s, D]
+    out = _ChunkedUlysses.apply(q, k, v, group, pieces, window, scale, documents,
+                                _backward_follows(q, k, v))  # [B, Hq, s, D]
     return out.transpose(1, 2)  # [B, s, Hq, D]

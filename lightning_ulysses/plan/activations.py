@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -136,9 +137,26 @@ def _offload_shape_attention(module: Any, query: torch.Tensor, key: torch.Tensor
     return out.contiguous(), None
 
 
+class _HostChunk:
+    """A stored chunk's shape; its host bytes are counted until the last reference to it goes, as a host tensor's."""
+
+    __slots__ = ("shape", "dtype", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, live: list[int], host: list[int]) -> None:
+        self.shape, self.dtype = tensor.shape, tensor.dtype
+        nbytes = tensor.numel() * tensor.element_size()
+        live[0] += nbytes
+        host[0] = max(host[0], live[0])
+        weakref.finalize(self, _host_freed, live, nbytes)
+
+
+def _host_freed(live: list[int], nbytes: int) -> None:
+    live[0] -= nbytes
+
+
 class _HostStoreShapes:
     """:class:`~lightning_ulysses.parallel.offload_attention.ChunkStore` as on CUDA, shapes only: a stored chunk
-    leaves the device (its host bytes counted in ``host``) and comes back as a new tensor."""
+    leaves the device (its host bytes counted in ``host`` while its handle lives) and comes back as a new tensor."""
 
     offloads = True
     host = [0]
@@ -147,17 +165,14 @@ class _HostStoreShapes:
     def __init__(self, device: torch.device) -> None:
         pass
 
-    def put(self, tensor: torch.Tensor) -> tuple:
-        nbytes = tensor.numel() * tensor.element_size()
-        self.live[0] += nbytes
-        self.host[0] = max(self.host[0], self.live[0])
-        return tensor.shape, tensor.dtype, nbytes
+    def put(self, tensor: torch.Tensor) -> _HostChunk:
+        return _HostChunk(tensor, self.live, self.host)
 
-    def release(self, handle: tuple) -> None:
-        self.live[0] -= handle[2]
+    def release(self, handle: _HostChunk) -> None:
+        pass
 
-    def fetch(self, handle: tuple) -> torch.Tensor:
-        return torch.empty(handle[0], dtype=handle[1], device="meta")
+    def fetch(self, handle: _HostChunk) -> torch.Tensor:
+        return torch.empty(handle.shape, dtype=handle.dtype, device="meta")
 
     def ready(self, fetched: torch.Tensor) -> torch.Tensor:
         return fetched
@@ -584,10 +599,11 @@ class TracedStep:
 
 @contextlib.contextmanager
 def _offload_shapes(host: list[int]) -> Iterator[None]:
-    """The strategy's checkpoint offload (:func:`lightning_ulysses.models.memory._offload_to_host`) as it behaves on an
-    accelerator, shapes only: a saved tensor leaves the device when saved and comes back as a new tensor in backward;
-    ``host`` gets the host bytes it held at most."""
-    from lightning_ulysses.models import memory
+    """The strategy's checkpoint offload (:func:`lightning_ulysses.models.memory._offload_to_host`, and with
+    ``offload_attention`` the recompute's :func:`lightning_ulysses.models.layer_checkpoint.host_saved_tensors`) as it
+    behaves on an accelerator, shapes only: a saved tensor leaves the device when saved and comes back as a new tensor
+    in backward; ``host`` gets the host bytes they held at most."""
+    from lightning_ulysses.models import layer_checkpoint, memory
 
     live = [0]
 
@@ -605,12 +621,25 @@ def _offload_shapes(host: list[int]) -> Iterator[None]:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    original = memory._offload_to_host
-    memory._offload_to_host = offload
+    def recompute_saving(device: torch.device, kept: set[int]) -> torch.autograd.graph.saved_tensors_hooks:
+        def pack(tensor: torch.Tensor) -> Any:
+            if layer_checkpoint._is_parameter_data(tensor) or \
+                    tensor.numel() * tensor.element_size() < layer_checkpoint.HOST_MIN_BYTES:
+                kept.add(layer_checkpoint._storage_id(tensor))
+                return tensor
+            return offload().pack_hook(tensor)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return packed if isinstance(packed, torch.Tensor) else offload().unpack_hook(packed)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    original = memory._offload_to_host, layer_checkpoint.host_saved_tensors
+    memory._offload_to_host, layer_checkpoint.host_saved_tensors = offload, recompute_saving
     try:
         yield
     finally:
-        memory._offload_to_host = original
+        memory._offload_to_host, layer_checkpoint.host_saved_tensors = original
 
 
 def _gradient_hooks(model: torch.nn.Module, gradient_buffer_bytes: int, gradients_leave: bool) -> list[Any]:
@@ -748,7 +777,8 @@ def trace_layers(config: Any, tokens: int, batch_size: int = 1, dtype: torch.dty
     model.train()
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    features = memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints)
+    features = memory.MemoryFeatures(tiled_mlp, tiled_loss, offload_checkpoints,
+                                     ulysses_offload=bool(attention_chunk))
     memory.enable(model, features, None)
     # a vision-language model computes its rotary positions from the ids' values: real ids (text only) there
     ids = torch.zeros((batch_size, tokens), dtype=torch.long, device="cpu" if vision_language else "meta")

@@ -127,9 +127,12 @@ class TensorMemoryTracker(TorchDispatchMode):
                        torch.nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True)]
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_hooks.__enter__()
+        _ACTIVE.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         super().__exit__(*exc)
         self._saved_hooks.__exit__(*exc)
         for hook in self._hooks:
@@ -193,6 +196,19 @@ class TensorMemoryTracker(TorchDispatchMode):
             by_layer[layer_of(item.module)] += item.nbytes
             by_module[item.module or "(outside the model)"] += item.nbytes
         self._peak.by_kind, self._peak.by_layer, self._peak.by_module = dict(by_kind), dict(by_layer), dict(by_module)
+
+
+_ACTIVE: list[TensorMemoryTracker] = []
+
+
+def release_storage(tensor: torch.Tensor) -> None:
+    """Free ``tensor``'s storage (``resize_(0)``: its shape stays, its bytes go), which a tracker does not see as
+    an operation: the active trackers stop counting it."""
+    storage = tensor.untyped_storage()
+    key, nbytes = _storage_key(tensor), storage.nbytes()
+    storage.resize_(0)
+    for tracker in _ACTIVE:
+        _forget(tracker, tracker._live, key, nbytes)
 
 
 def _tensors_in(found: Any) -> list[torch.Tensor]:

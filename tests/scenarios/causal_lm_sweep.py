@@ -111,6 +111,10 @@ def run(payload: dict) -> dict:
     """``payload["setting"]`` (one setting, results by model type) or ``payload["settings"]`` (several, results by
     ``"<model type>@<setting>"``: the suite's sample, every setting in one launch)."""
     rank = os.environ.get("RANK", "0")
+    if payload.get("rotary_tile_bytes"):  # the rotary tiles of offload_attention at the sweep's tiny shapes
+        from lightning_ulysses.models import rotary_tiles
+
+        rotary_tiles.TILE_BYTES = int(payload["rotary_tile_bytes"])
     folder = Path(payload["progress"]) / f"rank{rank}" if payload.get("progress") else None
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,234 @@
+"""Decoder layers checkpointed by the strategy, their recompute's saved tensors in host memory (Ulysses-Offload).
+
+With ``offload_checkpoints`` every decoder layer is checkpointed: its input waits in host memory, and in backward the
+layer runs again to make what its backward needs. torch's non-reentrant checkpoint keeps everything that recompute
+saves on the device until the layer's backward is through (for a Llama layer with the ALST switches the input, both
+norms' outputs, the attention's output and the residual: five ``[s, H]`` tensors beside the gradients), and it keeps
+whatever an ``autograd.Function`` holds on its ``ctx`` from the *first* forward (the chunked attention's store, so
+every layer's chunks wait to the end of the forward, and the recompute's attention forward runs for nothing).
+
+:func:`recompute_in_host_memory` is the checkpoint the strategy gives Hugging Face's decoder layers
+(``_gradient_checkpointing_func``) with ``offload_attention`` and ``offload_checkpoints`` on: the first forward runs
+without a graph (nothing of it stays but the layer's inputs, saved for backward: the strategy's checkpoint offload
+moves them to host memory), and backward runs the layer again with autograd and back-propagates through it at once,
+every tensor that recompute saves moving to pinned host memory on the chunk store's side stream
+(:class:`~lightning_ulysses.parallel.offload_attention.ChunkStore`) and coming back when its backward node runs. On
+the device a layer's backward then holds the gradients passing through and the one saved tensor in use, not the
+layer's whole set. On other devices than CUDA there is no host to move to: the tensors stay where they are (the same
+arithmetic, tested for exactness on CPU).
+
+The layer runs in backward as in forward: the random generators replayed (dropout draws the masks it drew), the
+autocast state restored. A layer called with a keyword tensor that needs a gradient (a value passed between layers)
+is checkpointed by torch's own function instead: its gradient would not reach that tensor here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_ulysses.parallel import offload_attention
+from lightning_ulysses.parallel.offload_attention import ChunkStore
+from lightning_ulysses.profiling.tensor_memory import release_storage
+from lightning_ulysses.training import loss_graph
+
+HOST_MIN_BYTES = 1 << 20  # saved tensors smaller than this (positions, norms' statistics) stay on the device
+
+
+def _is_parameter_data(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one (``weight.t()`` as a matmul saves it): it stays where it is."""
+    return isinstance(tensor, nn.Parameter) or isinstance(getattr(tensor, "_base", None), nn.Parameter)
+
+
+def host_saved_tensors(device: torch.device, kept: set[int]) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved tensors of ``HOST_MIN_BYTES`` or more on CUDA go to pinned host memory when saved and come back when
+    their backward node unpacks them (parameters stay); elsewhere they stay as they are, their storages' ids added to
+    ``kept``. The planner's trace replaces this with a shapes-only form (:mod:`lightning_ulysses.plan.activations`)."""
+    store = ChunkStore(device)
+
+    def pack(tensor: torch.Tensor) -> Any:
+        if (not store.offloads or tensor.device.type != "cuda" or _is_parameter_data(tensor)
+                or tensor.numel() * tensor.element_size() < HOST_MIN_BYTES):
+            kept.add(_storage_id(tensor))
+            return tensor
+        return _OnHost(store.put(tensor))
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, _OnHost):
+            return store.ready(store.fetch(packed.handle))
+        return packed
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def _release_unsaved(tensors: list[torch.Tensor], kept: set[int]) -> None:
+    """Free the storage of each of ``tensors`` (the recomputed layer's input and outputs) that no node of the
+    recompute kept as it is: backward reads only their shapes (the input's gradient, the outputs' gradients), and
+    until the layer's backward is through they would hold ``[s, H]`` each beside the gradients. Only where the saved
+    tensors moved to the host (CUDA; the planner's trace): elsewhere the input is the caller's own tensor."""
+    for tensor in tensors:
+        if tensor.device.type in ("cuda", "meta") and _storage_id(tensor) not in kept:
+            release_storage(tensor)
+
+
+class _OnHost:
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+
+def _autocast_states(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
+    return [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+            for kind in dict.fromkeys((device_type, "cpu")) if torch.amp.is_autocast_available(kind)]
+
+
+class _RecomputedLayer(torch.autograd.Function):
+    """``function(*args)`` run without a graph in forward; in backward run again with autograd (its saved tensors
+    through :func:`host_saved_tensors`) and back-propagated at once. ``args``: the layer's positional arguments, the
+    tensors among them the node's inputs (saved for backward: the checkpoint)."""
+
+    @staticmethod
+    def forward(ctx, function: Callable, layout: tuple, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        from lightning_ulysses.models.memory import _rng_states
+
+        device = tensors[0].device
+        ctx.function, ctx.layout, ctx.device = function, layout, device
+        ctx.rng = _rng_states(device)
+        ctx.autocast = _autocast_states(device.type)
+        ctx.save_for_backward(*tensors)  # the layer's inputs: under offload_checkpoints they wait in host memory
+        with torch.no_grad():
+            outputs = function(*_arguments(layout, tensors))
+        ctx.output_is_tensor = isinstance(outputs, torch.Tensor)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        from lightning_ulysses.models.memory import _replayed_rng
+
+        needs = ctx.needs_input_grad[2:]
+        parked = _park(grads, ctx.device)  # the incoming gradient waits in host memory while the layer runs again
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+        kept: set[int] = set()
+        with torch.enable_grad(), _replayed_rng(ctx.device, ctx.rng), contextlib.ExitStack() as stack:
+            for kind, enabled, dtype in ctx.autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+            with host_saved_tensors(ctx.device, kept):
+                outputs = ctx.function(*_arguments(ctx.layout, inputs))
+        outputs = (outputs,) if ctx.output_is_tensor else tuple(outputs)
+        grads = _unpark(grads, parked)
+        pairs = [(out, grad) for out, grad in zip(outputs, grads)
+                 if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None]
+        _release_unsaved([t for t in inputs if t.is_floating_point()]
+                         + [out for out in outputs if isinstance(out, torch.Tensor)], kept)
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+        del pairs, grads
+        handed_on = [t.grad if need else None for t, need in zip(inputs, needs)]
+        for grad in handed_on:
+            if grad is not None:
+                hand_on(grad)
+        return (None, None, *handed_on)
+
+
+loss_graph.register_sharded_computation(_RecomputedLayer)  # a decoder layer on this rank's shard
+
+
+# Input gradients made by a backward here and handed to the engine (this checkpoint's, a tiled norm's): in a stack of
+# checkpointed layers, what the layer below receives as its output's gradient. Such a gradient is the engine's alone
+# (made in that backward, passed on to the one consumer): while the layer below runs again it waits in host memory,
+# its device bytes freed.
+_HANDED_ON: dict[int, weakref.ref] = {}  # id -> the tensor (weakly)
+
+
+def hand_on(tensor: torch.Tensor) -> None:
+    """Record ``tensor``, an input gradient a backward made and hands to the engine (this checkpoint's, a tiled
+    norm's), as parkable by the checkpointed layer that receives it as its output's gradient."""
+    key = id(tensor)
+    _HANDED_ON[key] = weakref.ref(tensor, lambda _, key=key: _HANDED_ON.pop(key, None))
+
+
+def _handed_on(tensor: Any) -> bool:
+    ref = _HANDED_ON.get(id(tensor))
+    return ref is not None and ref() is tensor
+def _storage_use_count(tensor: torch.Tensor) -> int:
+    storage = tensor.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+_LONE = torch.empty(1)
+_LONE_USE_COUNT = _storage_use_count(_LONE)  # a storage no other tensor shares (as this torch counts it)
+del _LONE
+
+
+def _park(grads: tuple, device: torch.device) -> list[Any]:
+    """Each of ``grads`` this checkpoint handed on (:data:`_HANDED_ON`) and no other tensor views, copied to host
+    memory and its device storage freed; ``None`` for the others. Where the chunk store does not move to the host
+    (not CUDA), nothing is parked."""
+    store = offload_attention.ChunkStore(device)
+    parked: list[Any] = []
+    for grad in grads:
+        lone = isinstance(grad, torch.Tensor) and _handed_on(grad) and \
+            _storage_use_count(grad) == _LONE_USE_COUNT
+        if not (store.offloads and lone):
+            parked.append(None)
+            continue
+        parked.append((store, store.put(grad.contiguous())))
+        release_storage(grad)
+    return parked
+
+
+def _unpark(grads: tuple, parked: list[Any]) -> tuple:
+    return tuple(grad if spot is None else spot[0].ready(spot[0].fetch(spot[1])) for grad, spot in zip(grads, parked))
+
+
+def _arguments(layout: tuple, tensors: Any) -> list[Any]:
+    found, it = [], iter(tensors)
+    for is_tensor, value in layout:
+        found.append(next(it) if is_tensor else value)
+    return found
+
+
+def _keyword_tensors_need_grad(function: Callable) -> bool:
+    keywords = getattr(function, "keywords", None) or {}
+    pending = list(keywords.values())
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return True
+        elif isinstance(value, (tuple, list)):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+    return not isinstance(function, functools.partial)  # an unknown callable: torch's checkpoint
+
+
+def recompute_in_host_memory(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """A decoder layer's checkpoint (Hugging Face's ``_gradient_checkpointing_func(partial(forward, layer,
+    **kwargs), *args)``) whose recompute keeps its saved tensors in host memory (module docstring). Falls back to
+    torch's non-reentrant checkpoint where a keyword tensor of the layer needs a gradient or no positional tensor
+    does."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if kwargs or not any(t.requires_grad for t in tensors) or _keyword_tensors_need_grad(function):
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+    layout = tuple((isinstance(a, torch.Tensor), None if isinstance(a, torch.Tensor) else a) for a in args)
+    return _RecomputedLayer.apply(function, layout, *tensors)
+
+
+def use_for_layers(model: nn.Module) -> None:
+    """Give every checkpointed decoder layer of ``model`` (after ``gradient_checkpointing_enable``)
+    :func:`recompute_in_host_memory`."""
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = recompute_in_host_memory
