@@ -227,7 +227,7 @@ class TiledMLP(torch.autograd.Function):
             starts.append(starts[-1] + x_tile.shape[-2])
         with torch.no_grad():
             for index in _tiles_run(tiles):
-                out_tile = mlp(x_tiles[index])
+                out_tile = mlp(x_tiles[index].contiguous())  # B > 1: a slice of dim -2 is not (Conv1D views it)
                 if out is None:  # one output written tile by tile (a list and a cat held it twice)
                     out = out_tile.new_empty((*x.shape[:-1], out_tile.shape[-1]))  # [B, s, H]
                 out.narrow(-2, starts[index], x_tiles[index].shape[-2]).copy_(out_tile)
@@ -277,7 +277,7 @@ def _tiles_backward(ctx: Any, x_tiles: tuple, grad_tiles: tuple, starts: list[in
         last = index == ctx.tiles - 1
         for param in ctx.params:  # ZeRO reduces a weight's gradient once every slice has added to it
             _compat.defer_zero3_gradient(param, ready=last)
-        x_tile = x_tile.requires_grad_(grad_x is not None)
+        x_tile = x_tile.contiguous().requires_grad_(grad_x is not None)  # B > 1: as in forward
         with torch.enable_grad():
             out_tile = ctx.mlp(x_tile)
         torch.autograd.backward(out_tile, grad_tile)  # adds to the weights' .grad (and to x_tile.grad)

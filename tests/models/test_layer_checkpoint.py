@@ -1,0 +1,197 @@
+"""Ulysses-Offload's layer checkpoint and rotary tiles (models/layer_checkpoint.py, models/rotary_tiles.py), in
+process on CPU: the same loss and gradients as the model without them, what each keeps, and the memory the planner's
+trace (the CUDA behaviour, shapes only) gives them. The launched exactness against one device at ZeRO 2/3 and packed
+rows: tests/test_offload_attention.py (`..._and_the_alst_switches_...`); the CUDA path: tests/test_cuda.py."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.llama import modeling_llama
+
+from lightning_ulysses.models import layer_checkpoint, memory, rotary_tiles
+from lightning_ulysses.parallel import offload_attention
+from lightning_ulysses.plan import activations
+
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=128)
+
+
+def _nodes(tensor: torch.Tensor) -> set[str]:
+    seen, pending, names = set(), [tensor.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def _train_step(model_type: str, features: memory.MemoryFeatures | None, **sizes) -> tuple[float, list, set]:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**COMMON, **sizes}, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(config)
+    model.train()  # dropout on where the config has it
+    if features is not None:
+        memory.enable(model, features, None)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(2)  # the same dropout masks for both runs
+    loss = model(input_ids=ids, labels=ids).loss
+    nodes = _nodes(loss)
+    loss.backward()
+    if features is not None:
+        memory.disable(model)
+    return float(loss), [p.grad.clone() for p in model.parameters()], nodes
+
+
+@pytest.mark.parametrize("model_type,sizes", [("llama", {}), ("gpt2", {"resid_pdrop": 0.3, "embd_pdrop": 0.1})])
+def test_the_layer_checkpoint_gives_the_models_loss_and_gradients(model_type, sizes):
+    """Every decoder layer runs through the strategy's checkpoint (its backward node in the graph), the first forward
+    without a graph, the second in backward with the random generators replayed (GPT-2's dropout: the masks of the
+    loss, not new ones) and the rotary embedding in tiles; fp32, against the same switches with torch's checkpoint
+    (the tiled MLP draws its dropout masks tile by tile): 1e-6."""
+    plain_loss, plain_grads, plain_nodes = _train_step(
+        model_type, memory.MemoryFeatures(tiled_mlp=3, offload_checkpoints=True), **sizes)
+    assert "_RecomputedLayerBackward" not in plain_nodes
+    rotary_tiles.TILE_BYTES, tile_bytes = 3 * 64 * 4, rotary_tiles.TILE_BYTES  # 3 positions a tile: 40 cut unevenly
+    try:
+        features = memory.MemoryFeatures(tiled_mlp=3, offload_checkpoints=True, ulysses_offload=True)
+        loss, grads, nodes = _train_step(model_type, features, **sizes)
+    finally:
+        rotary_tiles.TILE_BYTES = tile_bytes
+    assert "_RecomputedLayerBackward" in nodes, nodes
+    assert abs(loss - plain_loss) <= 1e-6
+    worst = max(float((g - p).abs().max() / p.abs().max().clamp_min(1e-12)) for g, p in zip(grads, plain_grads))
+    assert worst <= 1e-6, worst
+
+
+def test_a_keyword_tensor_that_needs_a_gradient_is_checkpointed_by_torch():
+    """The strategy's checkpoint returns gradients to the positional tensors only: a layer called with a keyword
+    tensor that needs one (a value passed between layers) goes to torch's checkpoint, and that tensor gets its
+    gradient."""
+    weight = torch.randn(4, 4, requires_grad=True)
+    extra = torch.randn(3, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def layer(hidden: torch.Tensor, *, other: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(hidden @ weight + other)
+
+    out = layer_checkpoint.recompute_in_host_memory(functools.partial(layer, other=extra), x)
+    assert "_RecomputedLayerBackward" not in _nodes(out)
+    out.sum().backward()
+    assert extra.grad is not None and x.grad is not None
+    plain = torch.autograd.grad(layer(x, other=extra).sum(), (x, extra))
+    assert torch.allclose(x.grad, plain[0]) and torch.allclose(extra.grad, plain[1])
+    mine = layer_checkpoint.recompute_in_host_memory(functools.partial(layer, other=extra.detach()), x)
+    assert "_RecomputedLayerBackward" in _nodes(mine)
+
+
+def test_the_chunk_store_is_not_filled_without_a_graph(monkeypatch):
+    """A forward without a graph (the layer checkpoint's first forward, evaluation) stores nothing for a backward
+    that will not run; with one, every chunk's q, k, v, output and log-sum-exp."""
+    puts = []
+
+    class Counting(offload_attention.ChunkStore):
+        def put(self, tensor):
+            puts.append(tensor.shape)
+            return super().put(tensor)
+
+    monkeypatch.setattr(offload_attention, "ChunkStore", Counting)
+    module = torch.nn.Module()
+    q, k, v = torch.randn(1, 4, 24, 8), torch.randn(1, 2, 24, 8), torch.randn(1, 2, 24, 8)
+    with torch.no_grad():
+        offload_attention.offloaded_attention(module, q, k, v, 8, None, {})
+    assert puts == []
+    offload_attention.offloaded_attention(module, q.requires_grad_(), k, v, 8, None, {})
+    assert len(puts) == 3 * 5  # three chunks: k, v, q, output, log-sum-exp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_tiled_rotary_is_the_models_own_to_the_bit(dtype):
+    original = modeling_llama.apply_rotary_pos_emb
+    tiled = rotary_tiles._tiled(original)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 37, 8, 16, generator=generator).to(dtype).transpose(1, 2)  # [B, h, S, D] of a projection
+    k = torch.randn(2, 2, 37, 16, generator=generator).to(dtype)
+    cos, sin = torch.randn(2, 37, 16, generator=generator).to(dtype), torch.randn(2, 37, 16, generator=generator).to(dtype)
+    grads = torch.randn(q.shape, generator=generator).to(dtype), torch.randn(k.shape, generator=generator).to(dtype)
+    per_position = q.numel() // q.shape[2] * q.element_size()
+    rotary_tiles.TILE_BYTES, tile_bytes = 5 * per_position, rotary_tiles.TILE_BYTES  # 37 positions: 8 tiles
+    try:
+        results = []
+        for function in (original, tiled):
+            qq, kk = q.detach().requires_grad_(), k.detach().requires_grad_()
+            out = function(qq, kk, cos, sin)
+            torch.autograd.backward(out, grads)
+            results.append((out, qq.grad, kk.grad, _nodes(out[0])))
+    finally:
+        rotary_tiles.TILE_BYTES = tile_bytes
+    (q0, dq0, dk0, _), (q1, dq1, dk1, nodes) = results
+    assert "_TiledRotaryBackward" in nodes
+    for a, b in ((q0[0], q1[0]), (q0[1], q1[1]), (dq0, dq1), (dk0, dk1)):
+        assert torch.equal(a, b)
+    assert q1[0].stride() == q.stride()  # the projection's layout kept: the attention's output can follow it
+
+
+def test_a_rotary_that_is_not_linear_in_q_runs_as_it_is():
+    """The backward runs the function on zeros (it keeps neither q nor k): a function whose gradient depends on q's
+    values fails the check and runs whole, with its own backward."""
+    def squared(q, k, cos, sin, unsqueeze_dim=1):
+        return q * q * cos.unsqueeze(unsqueeze_dim), k * sin.unsqueeze(unsqueeze_dim)
+
+    tiled = rotary_tiles._tiled(squared)
+    q, k = torch.randn(1, 2, 40, 8, requires_grad=True), torch.randn(1, 1, 40, 8, requires_grad=True)
+    cos, sin = torch.randn(1, 40, 8), torch.randn(1, 40, 8)
+    rotary_tiles.TILE_BYTES, tile_bytes = 4 * 2 * 8 * 4, rotary_tiles.TILE_BYTES
+    try:
+        out = tiled(q, k, cos, sin)
+    finally:
+        rotary_tiles.TILE_BYTES = tile_bytes
+    assert "_TiledRotaryBackward" not in _nodes(out[0])
+    out[0].sum().backward()
+    assert torch.allclose(q.grad, 2 * q.detach() * cos.unsqueeze(1))
+
+
+def test_the_rotary_tiles_are_installed_while_a_model_uses_them():
+    config = AutoConfig.for_model("llama", **COMMON)
+    with torch.device("meta"):
+        first, second = AutoModelForCausalLM.from_config(config), AutoModelForCausalLM.from_config(config)
+    original = modeling_llama.apply_rotary_pos_emb
+    names = rotary_tiles.install(first)
+    assert names == ["transformers.models.llama.modeling_llama"]
+    rotary_tiles.install(second)
+    assert modeling_llama.apply_rotary_pos_emb._ulysses_tiled_rotary is original
+    rotary_tiles.uninstall(names)
+    assert modeling_llama.apply_rotary_pos_emb is not original  # the second model still uses them
+    rotary_tiles.uninstall(names)
+    assert modeling_llama.apply_rotary_pos_emb is original
+
+
+def _traced(chunk, layers, tokens=65536):
+    config = AutoConfig.for_model("llama", hidden_size=512, intermediate_size=1792, num_hidden_layers=layers,
+                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
+                                  max_position_embeddings=1 << 20)
+    return activations.trace_layers(config, tokens, dtype=torch.bfloat16, sp=2, gradients_leave=True,
+                                    tiled_mlp="auto", tiled_loss="auto", offload_checkpoints=True,
+                                    attention_chunk=chunk)
+
+
+def test_the_planned_step_and_host_memory_with_offload_attention_and_the_alst_switches(monkeypatch):
+    """The planner's trace (CUDA's behaviour, shapes only; sp 2, bf16, 64K tokens per rank of a GQA Llama layer):
+    the ALST switches alone peak at 9.7 ``[s, H]`` tensors (a checkpointed layer's MLP backward holding its saved
+    activations); with ``offload_attention`` the step peaks in a layer's forward at 6.8 (the embeddings HF keeps,
+    the layer's input, the norm's output, the rotated queries, keys and values, the attention's output and the
+    output projection's) and the host holds each layer's checkpoint plus one layer's store and saved tensors, not
+    every layer's store (before: every layer's, three times the checkpoints)."""
+    monkeypatch.setattr(rotary_tiles, "TILE_BYTES", 8 << 20)  # the shard's queries are 64 MiB: 8 tiles
+    unit = 65536 * 512 * 2
+    alst, switch = _traced(None, 3), _traced(4096, 3)
+    assert 9.4 <= alst.peak / unit <= 10.0, alst.peak / unit
+    assert switch.peak / unit <= 6.8, switch.peak / unit  # 6.5 and the rotary cos/sin ([s, 64] each: 0.25)
+    per_layer_host = _traced(4096, 4).host - switch.host
+    assert per_layer_host == unit, per_layer_host / unit  # one checkpoint ([s, H] bf16) per further layer
