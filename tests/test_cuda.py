@@ -353,6 +353,47 @@ def test_offloaded_attention_on_cuda_keeps_the_allocator_reserve_small_over_laye
         assert (got.float() - expected.float()).abs().max() <= 2e-2 * expected.float().abs().max()
 
 
+@ONE_GPU
+def test_layer_checkpoint_on_cuda_moves_the_recompute_to_the_host(record_property):
+    """``offload_attention``'s layer checkpoint on CUDA (models/layer_checkpoint.py): the recompute's saved tensors
+    and the incoming gradient wait in pinned host memory, the recomputed layer's input and output storages are freed,
+    the rotary embedding runs in tiles. A 4-layer bf16 Llama (hidden 1024, 16 heads of 64, 4 KV heads, SDPA) at 32K
+    tokens with the ALST switches: loss and gradients equal torch's checkpoint with the same switches (within bf16
+    rounding), and the step's allocated peak is lower. CPU path: tests/models/test_layer_checkpoint.py."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_ulysses.models import memory
+
+    config = AutoConfig.for_model("llama", hidden_size=1024, intermediate_size=3584, num_hidden_layers=4,
+                                  num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+                                  max_position_embeddings=65536, attn_implementation="sdpa")
+    ids = torch.randint(0, 32000, (1, 32768), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    results = {}
+    for name, offload in (("torch", False), ("strategy", True)):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16)
+        memory.enable(model, memory.MemoryFeatures("auto", "auto", True, ulysses_offload=offload), None)
+        model(input_ids=ids[:, :1024], labels=ids[:, :1024]).loss.backward()  # warm-up: kernels, the rotary check
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        results[name] = (float(loss), [p.grad.float() for p in model.parameters()],
+                         torch.cuda.max_memory_allocated() - base)
+        memory.disable(model)
+        del model
+    (want_loss, want, torch_peak), (loss, got, strategy_peak) = results["torch"], results["strategy"]
+    record_property("torch_checkpoint_peak_mib", f"{torch_peak / 2**20:.0f}")
+    record_property("layer_checkpoint_peak_mib", f"{strategy_peak / 2**20:.0f}")
+    assert abs(loss - want_loss) <= 1e-2 * abs(want_loss)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max().clamp_min(1e-6)
+    assert strategy_peak < torch_peak, (strategy_peak, torch_peak)
+
+
 # last: flex_attention compiles its kernels, about 110 s a case on an H100 (the rest of this file: about 50 s)
 @ONE_GPU
 @pytest.mark.parametrize("window", [None, 6])

@@ -226,9 +226,12 @@ def recompute_in_host_memory(function: Callable, *args: Any, **kwargs: Any) -> A
     return _RecomputedLayer.apply(function, layout, *tensors)
 
 
-def use_for_layers(model: nn.Module) -> None:
-    """Give every checkpointed decoder layer of ``model`` (after ``gradient_checkpointing_enable``)
-    :func:`recompute_in_host_memory`."""
+def use_for_layers(model: nn.Module) -> list[tuple[nn.Module, Callable]]:
+    """Give every checkpointed decoder layer of ``model`` (after ``gradient_checkpointing_enable``, the strategy's
+    or the model's own) :func:`recompute_in_host_memory`; the layers and the functions they had, to put back."""
+    replaced = []
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            replaced.append((module, module._gradient_checkpointing_func))
             module._gradient_checkpointing_func = recompute_in_host_memory
+    return replaced

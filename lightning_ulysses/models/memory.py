@@ -165,8 +165,8 @@ def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepCon
     if features.offload_checkpoints:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         saved["checkpointing"] = True
-        if features.ulysses_offload:
-            layer_checkpoint.use_for_layers(model)
+    if features.ulysses_offload:  # the layers checkpointed here or by the model's own gradient checkpointing
+        saved["checkpoint_functions"] = layer_checkpoint.use_for_layers(model)
     put_on_instance(model, _MEMORY_STATE, saved)
 
 
@@ -184,6 +184,8 @@ def disable(model: nn.Module) -> None:
         del model.forward
     if saved["forward"] is not None:
         model.forward = saved["forward"]
+    for module, function in saved.get("checkpoint_functions", ()):
+        module._gradient_checkpointing_func = function
     if saved["checkpointing"]:
         model.gradient_checkpointing_disable()
 
