@@ -863,7 +863,6 @@ def trace_litgpt_step(config: Any, tokens: int, batch_size: int = 1, dtype: torc
     finally:
         for hook in hooks:
             hook.remove()
-        memory.disable(model)  # what the switches put on transformers' modules (the rotary tiles) goes with the trace
     step = tracker.result()
     by_kind = dict(step.by_kind)
     by_kind["RoPE cache (cos, sin)"] = rope_cache
