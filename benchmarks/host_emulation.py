@@ -9,7 +9,8 @@ from __future__ import annotations
 def to_host(tensor):
     import torch
 
-    return tensor.dtype, tensor.shape, tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().copy()
+    # copied before NumPy sees it: .numpy() marks a storage as not resizable (the layer checkpoint frees some)
+    return tensor.dtype, tensor.shape, tensor.detach().reshape(-1).contiguous().view(torch.uint8).clone().numpy()
 
 
 def to_device(handle):

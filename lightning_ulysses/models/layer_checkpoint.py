@@ -34,7 +34,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ulysses.parallel import offload_attention
-from lightning_ulysses.parallel.offload_attention import ChunkStore
 from lightning_ulysses.profiling.tensor_memory import release_storage
 from lightning_ulysses.training import loss_graph
 
@@ -50,10 +49,10 @@ def host_saved_tensors(device: torch.device, kept: set[int]) -> torch.autograd.g
     """Saved tensors of ``HOST_MIN_BYTES`` or more on CUDA go to pinned host memory when saved and come back when
     their backward node unpacks them (parameters stay); elsewhere they stay as they are, their storages' ids added to
     ``kept``. The planner's trace replaces this with a shapes-only form (:mod:`lightning_ulysses.plan.activations`)."""
-    store = ChunkStore(device)
+    store = offload_attention.ChunkStore(device)  # looked up here: a benchmark's host emulation replaces it
 
     def pack(tensor: torch.Tensor) -> Any:
-        if (not store.offloads or tensor.device.type != "cuda" or _is_parameter_data(tensor)
+        if (not store.offloads or _is_parameter_data(tensor)
                 or tensor.numel() * tensor.element_size() < HOST_MIN_BYTES):
             kept.add(_storage_id(tensor))
             return tensor
@@ -71,13 +70,14 @@ def _storage_id(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def _release_unsaved(tensors: list[torch.Tensor], kept: set[int]) -> None:
-    """Free the storage of each of ``tensors`` (the recomputed layer's input and outputs) that no node of the
-    recompute kept as it is: backward reads only their shapes (the input's gradient, the outputs' gradients), and
-    until the layer's backward is through they would hold ``[s, H]`` each beside the gradients. Only where the saved
-    tensors moved to the host (CUDA; the planner's trace): elsewhere the input is the caller's own tensor."""
+def _release_unsaved(tensors: list[torch.Tensor], kept: set[int], offloads: bool) -> None:
+    """Free the storage of each of ``tensors`` (the recomputed layer's inputs, as fetched back from the host, and its
+    outputs) whose storage is not in ``kept`` (what a node of the recompute kept as it is, and the caller's own
+    tensors): backward reads only their shapes (the input's gradient, the outputs' gradients), and until the layer's
+    backward is through they would hold ``[s, H]`` each beside the gradients. Only where the saved tensors moved to
+    the host (``offloads``: CUDA, the planner's trace)."""
     for tensor in tensors:
-        if tensor.device.type in ("cuda", "meta") and _storage_id(tensor) not in kept:
+        if offloads and _storage_id(tensor) not in kept:
             release_storage(tensor)
 
 
@@ -107,6 +107,9 @@ class _RecomputedLayer(torch.autograd.Function):
         ctx.rng = _rng_states(device)
         ctx.autocast = _autocast_states(device.type)
         ctx.save_for_backward(*tensors)  # the layer's inputs: under offload_checkpoints they wait in host memory
+        # the caller's storages: an input that comes back as the caller's own tensor (no offload moved it; the
+        # address is unique while it lives) is never freed here
+        ctx.callers = frozenset(_storage_id(t) for t in tensors)
         with torch.no_grad():
             outputs = function(*_arguments(layout, tensors))
         ctx.output_is_tensor = isinstance(outputs, torch.Tensor)
@@ -130,7 +133,8 @@ class _RecomputedLayer(torch.autograd.Function):
         pairs = [(out, grad) for out, grad in zip(outputs, grads)
                  if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None]
         _release_unsaved([t for t in inputs if t.is_floating_point()]
-                         + [out for out in outputs if isinstance(out, torch.Tensor)], kept)
+                         + [out for out in outputs if isinstance(out, torch.Tensor)], kept | ctx.callers,
+                         offload_attention.ChunkStore(ctx.device).offloads)
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         del pairs, grads

@@ -70,6 +70,57 @@ def test_the_layer_checkpoint_gives_the_models_loss_and_gradients(model_type, si
     assert worst <= 1e-6, worst
 
 
+class _EmulatedHost:
+    """The chunk store as on CUDA, on a CPU: a stored tensor's bytes leave torch (a NumPy copy) and come back as a
+    new tensor (benchmarks/host_emulation.py's rule), so that the CUDA-only paths run here."""
+
+    offloads = True
+    puts: list = []
+
+    def __init__(self, device):
+        pass
+
+    def put(self, tensor):
+        self.puts.append(tuple(tensor.shape))
+        # copied before NumPy sees it: .numpy() marks a storage as not resizable (the layer checkpoint frees some)
+        return tensor.dtype, tensor.shape, tensor.detach().reshape(-1).view(torch.uint8).clone().numpy()
+
+    def fetch(self, handle):
+        dtype, shape, host = handle
+        return torch.from_numpy(host).view(dtype).view(shape).clone()
+
+    def ready(self, fetched):
+        return fetched
+
+    def release(self, handle):
+        pass
+
+
+def test_the_cuda_paths_of_the_layer_checkpoint_emulated_on_a_host(monkeypatch):
+    """With a store that moves to a host (emulated on CPU as on CUDA): the recompute's saved tensors go there and
+    come back, the incoming gradient waits there while the layer runs again, the recomputed input's and output's
+    storages are freed (``resize_(0)``); the loss and gradients stay those of torch's checkpoint (1e-6)."""
+    reference_loss, reference, _ = _train_step("llama", memory.MemoryFeatures(tiled_mlp=3, offload_checkpoints=True))
+    released = []
+    real_release = layer_checkpoint.release_storage
+    monkeypatch.setattr(layer_checkpoint, "release_storage", lambda t: (released.append(t.shape), real_release(t)))
+    monkeypatch.setattr(offload_attention, "ChunkStore", _EmulatedHost)
+    monkeypatch.setattr(layer_checkpoint, "HOST_MIN_BYTES", 1024)
+    host = _EmulatedHost(None)  # the checkpoints too, as offload_checkpoints moves them on an accelerator
+    monkeypatch.setattr(memory, "_offload_to_host", lambda: torch.autograd.graph.saved_tensors_hooks(host.put,
+                                                                                                      host.fetch))
+    _EmulatedHost.puts = []
+    features = memory.MemoryFeatures(tiled_mlp=3, offload_checkpoints=True, ulysses_offload=True)
+    loss, grads, nodes = _train_step("llama", features)
+    assert "_RecomputedLayerBackward" in nodes
+    hidden = (2, 40, 64)
+    assert _EmulatedHost.puts.count(hidden) >= 3 * 4, _EmulatedHost.puts  # per layer: norms' inputs and outputs
+    assert released.count(hidden) == 3 * 3, released  # each layer's input and output, and its parked gradient
+    assert abs(loss - reference_loss) <= 1e-6
+    worst = max(float((g - p).abs().max() / p.abs().max().clamp_min(1e-12)) for g, p in zip(grads, reference))
+    assert worst <= 1e-6, worst
+
+
 def test_a_keyword_tensor_that_needs_a_gradient_is_checkpointed_by_torch():
     """The strategy's checkpoint returns gradients to the positional tensors only: a layer called with a keyword
     tensor that needs one (a value passed between layers) goes to torch's checkpoint, and that tensor gets its
