@@ -68,6 +68,7 @@ GRID = [
     row("dense", 2, 8192, gradient_checkpointing=True), row("dense", 2, 8192, offload_checkpoints=True),
     row("dense", 2, 16384, stage=3, **ALST), row("dense", 4, 32768, stage=3, **ALST),
     row("dense", 2, 8192, offload_attention=1024), row("dense", 4, 16384, stage=3, offload_attention=2048),
+    row("dense", 2, 16384, stage=3, offload_attention=2048, **ALST),  # the layer checkpoint's path
     # a mixture of experts
     row("moe", 1, 2048), row("moe", 2, 4096), row("moe", 4, 8192, stage=3), row("moe", 2, 4096, ring=2),
     row("moe", 2, 8192, **ALST),

@@ -25,7 +25,9 @@ DeepSpeed (0.19):
     (:func:`clear_zero3_gradient_partitions`).
 torch (2.13):
     the private attention ops with log-sum-exp output the ring kernels call (:func:`cpu_flash_attention`,
-    :func:`cpu_flash_attention_backward`, :func:`efficient_attention`, :func:`efficient_attention_backward`).
+    :func:`cpu_flash_attention_backward`, :func:`efficient_attention`, :func:`efficient_attention_backward`); a
+    storage's identity and use count (``untyped_storage()._cdata``, ``torch._C._storage_Use_Count``:
+    :func:`storage_key`, :func:`storage_use_count`) and freeing one in place (:func:`release_storage`).
 transformers (5.x):
     ``config._attn_implementation`` (:func:`attention_implementation`, :func:`set_attention_implementation`), the
     ZeRO-3 switch (:func:`transformers_deepspeed_config`), ``PreTrainedModel._from_config`` (:func:`model_from_config`).
@@ -318,6 +320,36 @@ def defer_zero3_gradient(param: Any, ready: bool) -> None:
 
 
 # ============================================================================================== torch
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage (shared by its views; meta tensors' storages too): the storage object's C
+    address, unique while the storage lives."""
+    return tensor.untyped_storage()._cdata
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """How many references ``tensor``'s storage has (the tensors viewing it among them)."""
+    storage = tensor.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+_LONE = torch.empty(1)
+LONE_STORAGE_USE_COUNT = storage_use_count(_LONE)  # a storage that one tensor alone views, as this torch counts it
+del _LONE
+
+STORAGE_RELEASED: list[Callable[[int, int], None]] = []  # (storage key, bytes) of each release_storage: observers
+
+
+def release_storage(tensor: torch.Tensor) -> None:
+    """Free ``tensor``'s storage in place (``resize_(0)``: its shape stays, its bytes go back to the allocator, which
+    waits for the streams recorded on it); :data:`STORAGE_RELEASED`'s observers (a memory tracker, which sees no
+    operation here) are told. Reading the tensor afterwards is undefined: callers free only what nothing reads."""
+    storage = tensor.untyped_storage()
+    key, nbytes = storage._cdata, storage.nbytes()
+    storage.resize_(0)
+    for observer in list(STORAGE_RELEASED):
+        observer(key, nbytes)
+
+
 def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         additive_mask: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, h, cq, D], lse [B, h, cq])`` of torch's CPU flash-attention op."""

@@ -133,7 +133,7 @@ def test_every_private_touch_point_lives_in_compat():
                "_restore_from_bit16_weights", "_set_fp32_optimizer_param_groups", "_clear_fp32_optimizer_param_groups",
                "torch.ops.aten._", "remove_module_hooks(", "ds_grad_is_ready", "._device_mesh", "'_trainer'",
                "._attn_implementation", "grad_partitions_flat_buffer", "_hf_deepspeed_config_weak_ref", "._from_config(", "._forward_pre_hooks",
-               "._forward_hooks")
+               "._forward_hooks", "_storage_Use_Count")
     root = Path(lightning_ulysses.__file__).parent
     found = {}
     for path in root.rglob("*.py"):
@@ -144,6 +144,30 @@ def test_every_private_touch_point_lives_in_compat():
         if hits:
             found[str(path.relative_to(root))] = hits
     assert not found, f"private-API touch points outside _compat: {found}"
+
+
+def test_a_storage_counts_its_views_and_frees_in_place():
+    """The layer checkpoint frees a storage only when no other tensor views it (:func:`storage_use_count` against a
+    lone storage's count) and tells the memory trackers (:func:`release_storage`): a torch that counted otherwise,
+    or could not free in place, fails here."""
+    from lightning_ulysses import _compat
+
+    lone = torch.empty(64)
+    assert _compat.storage_use_count(lone) == _compat.LONE_STORAGE_USE_COUNT
+    view = lone[8:]
+    assert _compat.storage_use_count(lone) > _compat.LONE_STORAGE_USE_COUNT
+    del view
+    assert _compat.storage_use_count(lone) == _compat.LONE_STORAGE_USE_COUNT
+    assert _compat.storage_key(lone) == _compat.storage_key(lone[1:]) != _compat.storage_key(torch.empty(64))
+    told = []
+    _compat.STORAGE_RELEASED.append(lambda key, nbytes: told.append((key, nbytes)))
+    try:
+        key = _compat.storage_key(lone)
+        _compat.release_storage(lone)
+    finally:
+        _compat.STORAGE_RELEASED.pop()
+    assert lone.untyped_storage().nbytes() == 0 and lone.shape == (64,)
+    assert told == [(key, 64 * 4)]
 
 
 def test_the_decoders_that_pack_only_from_four_row_positions_are_those_the_table_names():

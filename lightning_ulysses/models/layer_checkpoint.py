@@ -33,8 +33,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ulysses import _compat
+from lightning_ulysses.models.rng_replay import replayed_rng, rng_states
 from lightning_ulysses.parallel import offload_attention
-from lightning_ulysses.profiling.tensor_memory import release_storage
 from lightning_ulysses.training import loss_graph
 
 HOST_MIN_BYTES = 1 << 20  # saved tensors smaller than this (positions, norms' statistics) stay on the device
@@ -54,7 +55,7 @@ def host_saved_tensors(device: torch.device, kept: set[int]) -> torch.autograd.g
     def pack(tensor: torch.Tensor) -> Any:
         if (not store.offloads or _is_parameter_data(tensor)
                 or tensor.numel() * tensor.element_size() < HOST_MIN_BYTES):
-            kept.add(_storage_id(tensor))
+            kept.add(_compat.storage_key(tensor))
             return tensor
         return _OnHost(store.put(tensor))
 
@@ -66,10 +67,6 @@ def host_saved_tensors(device: torch.device, kept: set[int]) -> torch.autograd.g
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def _storage_id(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
-
-
 def _release_unsaved(tensors: list[torch.Tensor], kept: set[int], offloads: bool) -> None:
     """Free the storage of each of ``tensors`` (the recomputed layer's inputs, as fetched back from the host, and its
     outputs) whose storage is not in ``kept`` (what a node of the recompute kept as it is, and the caller's own
@@ -77,8 +74,8 @@ def _release_unsaved(tensors: list[torch.Tensor], kept: set[int], offloads: bool
     backward is through they would hold ``[s, H]`` each beside the gradients. Only where the saved tensors moved to
     the host (``offloads``: CUDA, the planner's trace)."""
     for tensor in tensors:
-        if offloads and _storage_id(tensor) not in kept:
-            release_storage(tensor)
+        if offloads and _compat.storage_key(tensor) not in kept:
+            _compat.release_storage(tensor)
 
 
 class _OnHost:
@@ -100,16 +97,14 @@ class _RecomputedLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, function: Callable, layout: tuple, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
-        from lightning_ulysses.models.memory import _rng_states
-
         device = tensors[0].device
         ctx.function, ctx.layout, ctx.device = function, layout, device
-        ctx.rng = _rng_states(device)
+        ctx.rng = rng_states(device)
         ctx.autocast = _autocast_states(device.type)
         ctx.save_for_backward(*tensors)  # the layer's inputs: under offload_checkpoints they wait in host memory
         # the caller's storages: an input that comes back as the caller's own tensor (no offload moved it; the
         # address is unique while it lives) is never freed here
-        ctx.callers = frozenset(_storage_id(t) for t in tensors)
+        ctx.callers = frozenset(_compat.storage_key(t) for t in tensors)
         with torch.no_grad():
             outputs = function(*_arguments(layout, tensors))
         ctx.output_is_tensor = isinstance(outputs, torch.Tensor)
@@ -117,13 +112,11 @@ class _RecomputedLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        from lightning_ulysses.models.memory import _replayed_rng
-
         needs = ctx.needs_input_grad[2:]
         parked = _park(grads, ctx.device)  # the incoming gradient waits in host memory while the layer runs again
         inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
         kept: set[int] = set()
-        with torch.enable_grad(), _replayed_rng(ctx.device, ctx.rng), contextlib.ExitStack() as stack:
+        with torch.enable_grad(), replayed_rng(ctx.device, ctx.rng), contextlib.ExitStack() as stack:
             for kind, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
             with host_saved_tensors(ctx.device, kept):
@@ -165,16 +158,6 @@ def hand_on(tensor: torch.Tensor) -> None:
 def _handed_on(tensor: Any) -> bool:
     ref = _HANDED_ON.get(id(tensor))
     return ref is not None and ref() is tensor
-def _storage_use_count(tensor: torch.Tensor) -> int:
-    storage = tensor.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata)
-
-
-_LONE = torch.empty(1)
-_LONE_USE_COUNT = _storage_use_count(_LONE)  # a storage no other tensor shares (as this torch counts it)
-del _LONE
-
-
 def _park(grads: tuple, device: torch.device) -> list[Any]:
     """Each of ``grads`` this checkpoint handed on (:data:`_HANDED_ON`) and no other tensor views, copied to host
     memory and its device storage freed; ``None`` for the others. Where the chunk store does not move to the host
@@ -183,12 +166,12 @@ def _park(grads: tuple, device: torch.device) -> list[Any]:
     parked: list[Any] = []
     for grad in grads:
         lone = isinstance(grad, torch.Tensor) and _handed_on(grad) and \
-            _storage_use_count(grad) == _LONE_USE_COUNT
+            _compat.storage_use_count(grad) == _compat.LONE_STORAGE_USE_COUNT
         if not (store.offloads and lone):
             parked.append(None)
             continue
         parked.append((store, store.put(grad.contiguous())))
-        release_storage(grad)
+        _compat.release_storage(grad)
     return parked
 
 

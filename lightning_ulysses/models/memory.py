@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_ulysses import _compat
 from lightning_ulysses.models import layer_checkpoint
+from lightning_ulysses.models.rng_replay import replayed_rng, rng_states
 from lightning_ulysses.patches import held_on_instance, on_instance, put_on_instance, take_from_instance
 from lightning_ulysses.training import loss_graph
 from lightning_ulysses.training.loss import cross_entropy_sum, step_loss_from_sum, token_statistics
@@ -220,7 +221,7 @@ class TiledMLP(torch.autograd.Function):
         # ``params`` is a list, not tensor arguments: as inputs of this node their AccumulateGrad nodes would run
         # again (with no gradient) after this backward, and ZeRO's hooks on them would reduce a second time.
         ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
-        ctx.rng = _rng_states(x.device)  # backward replays the tiles with the random numbers they drew here (dropout)
+        ctx.rng = rng_states(x.device)  # backward replays the tiles with the random numbers they drew here (dropout)
         ctx.save_for_backward(x)
         out: Optional[torch.Tensor] = None
         x_tiles = torch.tensor_split(x, tiles, dim=-2)  # [B, s/tiles, H] each
@@ -245,29 +246,11 @@ class TiledMLP(torch.autograd.Function):
         starts = [0]
         for x_tile in x_tiles:
             starts.append(starts[-1] + x_tile.shape[-2])
-        with _replayed_rng(x.device, ctx.rng):
+        with replayed_rng(x.device, ctx.rng):
             _tiles_backward(ctx, x_tiles, grad_tiles, starts, grad_x)
         if grad_x is not None:
             layer_checkpoint.hand_on(grad_x)  # the final norm's: the last checkpointed layer may park it
         return None, grad_x, None, None
-
-
-def _rng_states(device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The CPU generator's state and, on CUDA, the device's: what a module's dropout draws from."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-@contextlib.contextmanager
-def _replayed_rng(device: torch.device, states: tuple[torch.Tensor, Optional[torch.Tensor]]) -> Any:
-    """The random generators set to ``states`` inside, and put back as they were after (``torch.utils.checkpoint``'s
-    rule): a tile recomputed in backward draws the dropout masks its forward drew, so the gradients are those of the
-    loss the forward computed. The tiles run in the forward's order and draw one after another, as there."""
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(states[0])
-        if states[1] is not None:
-            torch.cuda.set_rng_state(states[1], device)
-        yield
 
 
 def _tiles_backward(ctx: Any, x_tiles: tuple, grad_tiles: tuple, starts: list[int],

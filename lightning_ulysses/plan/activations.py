@@ -24,6 +24,7 @@ import torch
 import torch.utils._python_dispatch
 import torch.utils._pytree
 
+from lightning_ulysses import _compat
 from lightning_ulysses.profiling.tensor_memory import TensorMemoryTracker
 
 SHAPE_ATTENTION = "lightning_ulysses_plan_shapes"
@@ -625,7 +626,7 @@ def _offload_shapes(host: list[int]) -> Iterator[None]:
         def pack(tensor: torch.Tensor) -> Any:
             if layer_checkpoint._is_parameter_data(tensor) or \
                     tensor.numel() * tensor.element_size() < layer_checkpoint.HOST_MIN_BYTES:
-                kept.add(layer_checkpoint._storage_id(tensor))
+                kept.add(_compat.storage_key(tensor))
                 return tensor
             return offload().pack_hook(tensor)
 

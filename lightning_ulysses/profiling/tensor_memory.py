@@ -31,6 +31,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_ulysses import _compat
+
 #: What a live storage is for, in the order :meth:`StepMemory.report` lists them.
 KINDS = (
     "saved for backward",  # activations autograd keeps for the backward pass
@@ -201,14 +203,14 @@ class TensorMemoryTracker(TorchDispatchMode):
 _ACTIVE: list[TensorMemoryTracker] = []
 
 
-def release_storage(tensor: torch.Tensor) -> None:
-    """Free ``tensor``'s storage (``resize_(0)``: its shape stays, its bytes go), which a tracker does not see as
-    an operation: the active trackers stop counting it."""
-    storage = tensor.untyped_storage()
-    key, nbytes = _storage_key(tensor), storage.nbytes()
-    storage.resize_(0)
+def _storage_released(key: int, nbytes: int) -> None:
+    """A storage freed in place (:func:`lightning_ulysses._compat.release_storage`), which a tracker does not see
+    as an operation: the active trackers stop counting it."""
     for tracker in _ACTIVE:
         _forget(tracker, tracker._live, key, nbytes)
+
+
+_compat.STORAGE_RELEASED.append(_storage_released)
 
 
 def _tensors_in(found: Any) -> list[torch.Tensor]:
