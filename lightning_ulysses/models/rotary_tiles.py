@@ -64,7 +64,7 @@ def _probe(original: Callable, q: torch.Tensor, k: torch.Tensor, cos: torch.Tens
         shape = list(t.shape)
         shape[0] = 1 if t.dim() > 2 else shape[0]
         shape[positions_dim] = _PROBE_POSITIONS
-        return torch.randn(shape, generator=generator, dtype=torch.float32).to(t.dtype)
+        return torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu").to(t.dtype)  # not meta
 
     pq, pk, pcos, psin = like(q, dim), like(k, dim), like(cos, cos.dim() - 2), like(cos, cos.dim() - 2)
     whole = original(pq, pk, pcos, psin, *args, **kwargs)
@@ -76,7 +76,7 @@ def _probe(original: Callable, q: torch.Tensor, k: torch.Tensor, cos: torch.Tens
                     psin.narrow(-2, a, half), *args, **kwargs) for a in (0, half)]
     if not all(torch.equal(torch.cat([c[i] for c in cut], dim=dim), whole[i]) for i in (0, 1)):
         return False
-    grads = [torch.randn(t.shape, generator=generator).to(t.dtype) for t in whole]
+    grads = [torch.randn(t.shape, generator=generator, device="cpu").to(t.dtype) for t in whole]
 
     def gradient(at_q: torch.Tensor, at_k: torch.Tensor) -> tuple:
         at_q, at_k = at_q.detach().requires_grad_(), at_k.detach().requires_grad_()

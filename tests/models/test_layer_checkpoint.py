@@ -235,7 +235,7 @@ def _traced(chunk, layers, tokens=65536):
 
 def test_the_planned_step_and_host_memory_with_offload_attention_and_the_alst_switches(monkeypatch):
     """The planner's trace (CUDA's behaviour, shapes only; sp 2, bf16, 64K tokens per rank of a GQA Llama layer):
-    the ALST switches alone peak at 9.7 ``[s, H]`` tensors (a checkpointed layer's MLP backward holding its saved
+    the ALST switches alone peak at 10.0 ``[s, H]`` tensors (a checkpointed layer's MLP backward holding its saved
     activations); with ``offload_attention`` the step peaks in a layer's forward at 6.8 (the embeddings HF keeps,
     the layer's input, the norm's output, the rotated queries, keys and values, the attention's output and the
     output projection's) and the host holds each layer's checkpoint plus one layer's store and saved tensors, not
@@ -243,7 +243,7 @@ def test_the_planned_step_and_host_memory_with_offload_attention_and_the_alst_sw
     monkeypatch.setattr(rotary_tiles, "TILE_BYTES", 8 << 20)  # the shard's queries are 64 MiB: 8 tiles
     unit = 65536 * 512 * 2
     alst, switch = _traced(None, 3), _traced(4096, 3)
-    assert 9.4 <= alst.peak / unit <= 10.0, alst.peak / unit
+    assert 9.5 <= alst.peak / unit <= 10.2, alst.peak / unit  # 9.96 here (Llama-3.1-8B's shape: 9.7)
     assert switch.peak / unit <= 6.8, switch.peak / unit  # 6.5 and the rotary cos/sin ([s, 64] each: 0.25)
     per_layer_host = _traced(4096, 4).host - switch.host
     assert per_layer_host == unit, per_layer_host / unit  # one checkpoint ([s, H] bf16) per further layer
