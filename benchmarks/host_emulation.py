@@ -7,10 +7,16 @@ from __future__ import annotations
 
 
 def to_host(tensor):
-    import torch
+    import ctypes
 
-    # copied before NumPy sees it: .numpy() marks a storage as not resizable (the layer checkpoint frees some)
-    return tensor.dtype, tensor.shape, tensor.detach().reshape(-1).contiguous().view(torch.uint8).clone().numpy()
+    import numpy
+
+    # the bytes copied into a NumPy array straight from memory: no torch allocation (the tracker would count it) and
+    # no .numpy() (which marks the tensor's storage as not resizable: the layer checkpoint frees some in place)
+    tensor = tensor.detach().contiguous()
+    host = numpy.empty(tensor.numel() * tensor.element_size(), dtype=numpy.uint8)
+    ctypes.memmove(host.ctypes.data, tensor.data_ptr(), host.nbytes)
+    return tensor.dtype, tensor.shape, host
 
 
 def to_device(handle):

@@ -5,8 +5,10 @@ rows: tests/test_offload_attention.py (`..._and_the_alst_switches_...`); the CUD
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
+import numpy
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -83,8 +85,11 @@ class _EmulatedHost:
 
     def put(self, tensor):
         self.puts.append(tuple(tensor.shape))
-        # copied before NumPy sees it: .numpy() marks a storage as not resizable (the layer checkpoint frees some)
-        return tensor.dtype, tensor.shape, tensor.detach().reshape(-1).view(torch.uint8).clone().numpy()
+        # the bytes copied straight from memory: .numpy() would mark the storage as not resizable (some are freed)
+        tensor = tensor.detach().contiguous()
+        host = numpy.empty(tensor.numel() * tensor.element_size(), dtype=numpy.uint8)
+        ctypes.memmove(host.ctypes.data, tensor.data_ptr(), host.nbytes)
+        return tensor.dtype, tensor.shape, host
 
     def fetch(self, handle):
         dtype, shape, host = handle
