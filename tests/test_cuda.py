@@ -358,8 +358,9 @@ def test_layer_checkpoint_on_cuda_moves_the_recompute_to_the_host(record_propert
     """``offload_attention``'s layer checkpoint on CUDA (models/layer_checkpoint.py): the recompute's saved tensors
     and the incoming gradient wait in pinned host memory, the recomputed layer's input and output storages are freed,
     the rotary embedding runs in tiles. A 4-layer bf16 Llama (hidden 1024, 16 heads of 64, 4 KV heads, SDPA) at 32K
-    tokens with the ALST switches: loss and gradients equal torch's checkpoint with the same switches (within bf16
-    rounding), and the step's allocated peak is lower. CPU path: tests/models/test_layer_checkpoint.py."""
+    tokens with the tiled MLP and offloaded checkpoints: loss and gradients equal torch's checkpoint with the same
+    switches (within bf16 rounding), and the step's allocated peak is lower. CPU path:
+    tests/models/test_layer_checkpoint.py."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lightning_ulysses.models import memory
@@ -372,7 +373,7 @@ def test_layer_checkpoint_on_cuda_moves_the_recompute_to_the_host(record_propert
     for name, offload in (("torch", False), ("strategy", True)):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16)
-        memory.enable(model, memory.MemoryFeatures("auto", "auto", True, ulysses_offload=offload), None)
+        memory.enable(model, memory.MemoryFeatures("auto", 0, True, ulysses_offload=offload), None)
         model(input_ids=ids[:, :1024], labels=ids[:, :1024]).loss.backward()  # warm-up: kernels, the rotary check
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
