@@ -52,7 +52,12 @@ def _train_step(model_type: str, features: memory.MemoryFeatures | None, **sizes
     return float(loss), [p.grad.clone() for p in model.parameters()], nodes
 
 
-@pytest.mark.parametrize("model_type,sizes", [("llama", {}), ("gpt2", {"resid_pdrop": 0.3, "embd_pdrop": 0.1})])
+@pytest.mark.parametrize("model_type,sizes", [("llama", {}), ("gpt2", {"resid_pdrop": 0.3, "embd_pdrop": 0.1}),
+                                              ("qwen3_next", {"head_dim": 16, "linear_num_key_heads": 2,
+                                                              "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                                                              "linear_value_head_dim": 16, "num_experts": 4,
+                                                              "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                              "shared_expert_intermediate_size": 32})])
 def test_the_layer_checkpoint_gives_the_models_loss_and_gradients(model_type, sizes):
     """Every decoder layer runs through the strategy's checkpoint (its backward node in the graph), the first forward
     without a graph, the second in backward with the random generators replayed (GPT-2's dropout: the masks of the
