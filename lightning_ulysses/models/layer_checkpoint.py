@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -46,17 +45,20 @@ def _is_parameter_data(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, nn.Parameter) or isinstance(getattr(tensor, "_base", None), nn.Parameter)
 
 
-def host_saved_tensors(device: torch.device, kept: set[int]) -> torch.autograd.graph.saved_tensors_hooks:
+def host_saved_tensors(device: torch.device) -> torch.autograd.graph.saved_tensors_hooks:
     """Saved tensors of ``HOST_MIN_BYTES`` or more on CUDA go to pinned host memory when saved and come back when
-    their backward node unpacks them (parameters stay); elsewhere they stay as they are, their storages' ids added to
-    ``kept``. The planner's trace replaces this with a shapes-only form (:mod:`lightning_ulysses.plan.activations`)."""
+    their backward node unpacks them; smaller ones stay, as they are where their whole storage is small, else (a
+    small view of a large storage) as a copy: no saved tensor shares a large storage, such as the layer's input or
+    output, which backward frees (:func:`_release`). Parameters stay as they are; elsewhere than CUDA (no host to
+    move to) all do. The planner's trace replaces this with a shapes-only form (:mod:`lightning_ulysses.plan.
+    activations`)."""
     store = offload_attention.ChunkStore(device)  # looked up here: a benchmark's host emulation replaces it
 
     def pack(tensor: torch.Tensor) -> Any:
-        if (not store.offloads or _is_parameter_data(tensor)
-                or tensor.numel() * tensor.element_size() < HOST_MIN_BYTES):
-            kept.add(_compat.storage_key(tensor))
+        if not store.offloads or _is_parameter_data(tensor):
             return tensor
+        if tensor.numel() * tensor.element_size() < HOST_MIN_BYTES:
+            return tensor if not _large_storage(tensor) else tensor.clone()
         return _OnHost(store.put(tensor))
 
     def unpack(packed: Any) -> torch.Tensor:
@@ -67,14 +69,17 @@ def host_saved_tensors(device: torch.device, kept: set[int]) -> torch.autograd.g
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def _release_unsaved(tensors: list[torch.Tensor], kept: set[int], offloads: bool) -> None:
-    """Free the storage of each of ``tensors`` (the recomputed layer's inputs, as fetched back from the host, and its
-    outputs) whose storage is not in ``kept`` (what a node of the recompute kept as it is, and the caller's own
-    tensors): backward reads only their shapes (the input's gradient, the outputs' gradients), and until the layer's
-    backward is through they would hold ``[s, H]`` each beside the gradients. Only where the saved tensors moved to
-    the host (``offloads``: CUDA, the planner's trace)."""
+def _large_storage(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().nbytes() >= HOST_MIN_BYTES
+
+
+def _release(tensors: list[torch.Tensor]) -> None:
+    """Free the large storages among ``tensors``: the recomputed layer's inputs as this checkpoint fetched them from
+    the host, and its outputs. Backward reads only their shapes (the input's gradient, the outputs' gradients), and
+    until the layer's backward is through they would hold ``[s, H]`` each beside the gradients; no saved tensor
+    shares a large storage (:func:`host_saved_tensors` moves or copies those)."""
     for tensor in tensors:
-        if offloads and _compat.storage_key(tensor) not in kept:
+        if _large_storage(tensor):
             _compat.release_storage(tensor)
 
 
@@ -96,15 +101,18 @@ class _RecomputedLayer(torch.autograd.Function):
     tensors among them the node's inputs (saved for backward: the checkpoint)."""
 
     @staticmethod
-    def forward(ctx, function: Callable, layout: tuple, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx, function: Callable, layout: tuple, inputs_to_host: bool,  # type: ignore[override]
+                *tensors: torch.Tensor) -> Any:
         device = tensors[0].device
+        store = offload_attention.ChunkStore(device)
         ctx.function, ctx.layout, ctx.device = function, layout, device
         ctx.rng = rng_states(device)
         ctx.autocast = _autocast_states(device.type)
-        ctx.save_for_backward(*tensors)  # the layer's inputs: under offload_checkpoints they wait in host memory
-        # the caller's storages: an input that comes back as the caller's own tensor (no offload moved it; the
-        # address is unique while it lives) is never freed here
-        ctx.callers = frozenset(_compat.storage_key(t) for t in tensors)
+        # the layer's inputs (the checkpoint): with offload_checkpoints its floating-point ones wait in host memory,
+        # put there here, so that backward knows the copies it gets back are its own; the rest saved for backward
+        moved = [inputs_to_host and store.offloads and t.is_floating_point() for t in tensors]
+        ctx.on_host = [store.put(t) if move else None for t, move in zip(tensors, moved)]
+        ctx.save_for_backward(*[t for t, move in zip(tensors, moved) if not move])
         with torch.no_grad():
             outputs = function(*_arguments(layout, tensors))
         ctx.output_is_tensor = isinstance(outputs, torch.Tensor)
@@ -112,22 +120,26 @@ class _RecomputedLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        needs = ctx.needs_input_grad[2:]
-        parked = _park(grads, ctx.device)  # the incoming gradient waits in host memory while the layer runs again
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
-        kept: set[int] = set()
+        needs = ctx.needs_input_grad[3:]
+        store = offload_attention.ChunkStore(ctx.device)
+        parked = _park(grads, store)  # the incoming gradient waits in host memory while the layer runs again
+        saved = iter(ctx.saved_tensors)
+        fetched = [None if handle is None else store.ready(store.fetch(handle)) for handle in ctx.on_host]
+        ctx.on_host = None
+        inputs = [(next(saved) if t is None else t).detach().requires_grad_(need) for t, need in zip(fetched, needs)]
         with torch.enable_grad(), replayed_rng(ctx.device, ctx.rng), contextlib.ExitStack() as stack:
             for kind, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-            with host_saved_tensors(ctx.device, kept):
+            with host_saved_tensors(ctx.device):
                 outputs = ctx.function(*_arguments(ctx.layout, inputs))
         outputs = (outputs,) if ctx.output_is_tensor else tuple(outputs)
-        grads = _unpark(grads, parked)
+        grads = _unpark(grads, parked, store)
         pairs = [(out, grad) for out, grad in zip(outputs, grads)
                  if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None]
-        _release_unsaved([t for t in inputs if t.is_floating_point()]
-                         + [out for out in outputs if isinstance(out, torch.Tensor)], kept | ctx.callers,
-                         offload_attention.ChunkStore(ctx.device).offloads)
+        ours = [t for t, f in zip(inputs, fetched) if f is not None]
+        if ours and all(f is not None or not t.is_floating_point() for t, f in zip(inputs, fetched)):
+            # every floating-point input is this checkpoint's own copy: no output can be a caller's tensor
+            _release(ours + [out for out in outputs if isinstance(out, torch.Tensor)])
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         del pairs, grads
@@ -135,48 +147,43 @@ class _RecomputedLayer(torch.autograd.Function):
         for grad in handed_on:
             if grad is not None:
                 hand_on(grad)
-        return (None, None, *handed_on)
+        return (None, None, None, *handed_on)
 
 
 loss_graph.register_sharded_computation(_RecomputedLayer)  # a decoder layer on this rank's shard
 
 
-# Input gradients made by a backward here and handed to the engine (this checkpoint's, a tiled norm's): in a stack of
-# checkpointed layers, what the layer below receives as its output's gradient. Such a gradient is the engine's alone
-# (made in that backward, passed on to the one consumer): while the layer below runs again it waits in host memory,
-# its device bytes freed.
-_HANDED_ON: dict[int, weakref.ref] = {}  # id -> the tensor (weakly)
+# Input gradients made by a backward here and handed to the engine (this checkpoint's, a tiled norm's) carry this
+# attribute: in a stack of checkpointed layers, what the layer below receives as its output's gradient. Such a
+# gradient is the engine's alone (made in that backward, passed on to its one consumer): while the layer below runs
+# again it waits in host memory, its device bytes freed.
+HANDED_ON = "_ulysses_handed_on"
 
 
 def hand_on(tensor: torch.Tensor) -> None:
-    """Record ``tensor``, an input gradient a backward made and hands to the engine (this checkpoint's, a tiled
+    """Mark ``tensor``, an input gradient a backward made and hands to the engine (this checkpoint's, a tiled
     norm's), as parkable by the checkpointed layer that receives it as its output's gradient."""
-    key = id(tensor)
-    _HANDED_ON[key] = weakref.ref(tensor, lambda _, key=key: _HANDED_ON.pop(key, None))
+    setattr(tensor, HANDED_ON, True)
 
 
-def _handed_on(tensor: Any) -> bool:
-    ref = _HANDED_ON.get(id(tensor))
-    return ref is not None and ref() is tensor
-def _park(grads: tuple, device: torch.device) -> list[Any]:
-    """Each of ``grads`` this checkpoint handed on (:data:`_HANDED_ON`) and no other tensor views, copied to host
-    memory and its device storage freed; ``None`` for the others. Where the chunk store does not move to the host
-    (not CUDA), nothing is parked."""
-    store = offload_attention.ChunkStore(device)
+def _park(grads: tuple, store: Any) -> list[Any]:
+    """Each of ``grads`` marked :data:`HANDED_ON` whose storage no other tensor views, copied to host memory and its
+    device storage freed; ``None`` for the others. Where the chunk store does not move to the host (not CUDA),
+    nothing is parked."""
     parked: list[Any] = []
     for grad in grads:
-        lone = isinstance(grad, torch.Tensor) and _handed_on(grad) and \
+        lone = isinstance(grad, torch.Tensor) and getattr(grad, HANDED_ON, False) and \
             _compat.storage_use_count(grad) == _compat.LONE_STORAGE_USE_COUNT
         if not (store.offloads and lone):
             parked.append(None)
             continue
-        parked.append((store, store.put(grad.contiguous())))
+        parked.append(store.put(grad.contiguous()))
         _compat.release_storage(grad)
     return parked
 
 
-def _unpark(grads: tuple, parked: list[Any]) -> tuple:
-    return tuple(grad if spot is None else spot[0].ready(spot[0].fetch(spot[1])) for grad, spot in zip(grads, parked))
+def _unpark(grads: tuple, parked: list[Any], store: Any) -> tuple:
+    return tuple(grad if handle is None else store.ready(store.fetch(handle)) for grad, handle in zip(grads, parked))
 
 
 def _arguments(layout: tuple, tensors: Any) -> list[Any]:
@@ -201,24 +208,27 @@ def _keyword_tensors_need_grad(function: Callable) -> bool:
     return not isinstance(function, functools.partial)  # an unknown callable: torch's checkpoint
 
 
-def recompute_in_host_memory(function: Callable, *args: Any, **kwargs: Any) -> Any:
+def recompute_in_host_memory(function: Callable, *args: Any, inputs_to_host: bool = False, **kwargs: Any) -> Any:
     """A decoder layer's checkpoint (Hugging Face's ``_gradient_checkpointing_func(partial(forward, layer,
-    **kwargs), *args)``) whose recompute keeps its saved tensors in host memory (module docstring). Falls back to
-    torch's non-reentrant checkpoint where a keyword tensor of the layer needs a gradient or no positional tensor
-    does."""
+    **kwargs), *args)``) whose recompute keeps its saved tensors in host memory (module docstring);
+    ``inputs_to_host``: the checkpoint itself (its floating-point inputs) waits there too (``offload_checkpoints``).
+    Falls back to torch's non-reentrant checkpoint where a keyword tensor of the layer needs a gradient or no
+    positional tensor does."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if kwargs or not any(t.requires_grad for t in tensors) or _keyword_tensors_need_grad(function):
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
     layout = tuple((isinstance(a, torch.Tensor), None if isinstance(a, torch.Tensor) else a) for a in args)
-    return _RecomputedLayer.apply(function, layout, *tensors)
+    return _RecomputedLayer.apply(function, layout, inputs_to_host, *tensors)
 
 
-def use_for_layers(model: nn.Module) -> list[tuple[nn.Module, Callable]]:
+def use_for_layers(model: nn.Module, inputs_to_host: bool) -> list[tuple[nn.Module, Callable]]:
     """Give every checkpointed decoder layer of ``model`` (after ``gradient_checkpointing_enable``, the strategy's
-    or the model's own) :func:`recompute_in_host_memory`; the layers and the functions they had, to put back."""
+    or the model's own) :func:`recompute_in_host_memory` (``inputs_to_host``: ``offload_checkpoints``); the layers
+    and the functions they had, to put back."""
     replaced = []
+    function = functools.partial(recompute_in_host_memory, inputs_to_host=inputs_to_host)
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
             replaced.append((module, module._gradient_checkpointing_func))
-            module._gradient_checkpointing_func = recompute_in_host_memory
+            module._gradient_checkpointing_func = function
     return replaced

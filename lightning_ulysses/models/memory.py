@@ -167,7 +167,7 @@ def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepCon
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         saved["checkpointing"] = True
     if features.ulysses_offload:  # the layers checkpointed here or by the model's own gradient checkpointing
-        saved["checkpoint_functions"] = layer_checkpoint.use_for_layers(model)
+        saved["checkpoint_functions"] = layer_checkpoint.use_for_layers(model, features.offload_checkpoints)
     put_on_instance(model, _MEMORY_STATE, saved)
 
 

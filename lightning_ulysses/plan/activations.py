@@ -24,7 +24,6 @@ import torch
 import torch.utils._python_dispatch
 import torch.utils._pytree
 
-from lightning_ulysses import _compat
 from lightning_ulysses.profiling.tensor_memory import TensorMemoryTracker
 
 SHAPE_ATTENTION = "lightning_ulysses_plan_shapes"
@@ -622,12 +621,12 @@ def _offload_shapes(host: list[int]) -> Iterator[None]:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def recompute_saving(device: torch.device, kept: set[int]) -> torch.autograd.graph.saved_tensors_hooks:
+    def recompute_saving(device: torch.device) -> torch.autograd.graph.saved_tensors_hooks:
         def pack(tensor: torch.Tensor) -> Any:
-            if layer_checkpoint._is_parameter_data(tensor) or \
-                    tensor.numel() * tensor.element_size() < layer_checkpoint.HOST_MIN_BYTES:
-                kept.add(_compat.storage_key(tensor))
+            if layer_checkpoint._is_parameter_data(tensor):
                 return tensor
+            if tensor.numel() * tensor.element_size() < layer_checkpoint.HOST_MIN_BYTES:
+                return tensor if not layer_checkpoint._large_storage(tensor) else tensor.clone()
             return offload().pack_hook(tensor)
 
         def unpack(packed: Any) -> torch.Tensor:

@@ -225,10 +225,8 @@ def _tensors_in(found: Any) -> list[torch.Tensor]:
     return []
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
-    """The identity of ``tensor``'s storage (shared by its views): the storage object's C address, which also tells
-    meta tensors' storages apart (they have no data pointer), so shapes alone can be planned (``device="meta"``)."""
-    return tensor.untyped_storage()._cdata
+# a storage's identity (its views share it; meta storages too): the key every live storage is counted under
+_storage_key = _compat.storage_key
 
 
 def _forget(tracker: TensorMemoryTracker, live: dict, key: int, nbytes: int) -> None:
