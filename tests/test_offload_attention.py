@@ -185,9 +185,12 @@ def test_training_with_offloaded_attention_and_the_alst_switches_is_one_devices(
                                                                                  setting):
     reference = sweep.train_reference(model_type, setting=setting)
     got = sweep.classify(model_type, reference, trained_with_alst[(model_type, setting)], setting)
+    released = [rank["unread_arguments_released"] for rank in trained_with_alst[(model_type, setting)]]
     print(f"[measured] {model_type} {setting} + ALST: loss {got.get('loss_diff', float('nan')):.1e}, update"
-          f" {got.get('update_diff', float('nan')):.1e}")
+          f" {got.get('update_diff', float('nan')):.1e}, attention inputs released {released}")
     assert got["outcome"] == sweep.EXACT, got
+    # each layer's first forward (no graph) gave its q, k, v back (models/unread_arguments.py): 2 layers x 3 x steps
+    assert all(count >= 2 * 3 * sweep.STEPS for count in released), released
 
 
 @pytest.mark.multiprocess

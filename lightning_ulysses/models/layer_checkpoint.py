@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_ulysses import _compat
 from lightning_ulysses.models.rng_replay import replayed_rng, rng_states
+from lightning_ulysses.models.unread_arguments import saved_tensors_leave_the_device
 from lightning_ulysses.parallel import offload_attention
 from lightning_ulysses.training import loss_graph
 
@@ -130,7 +131,7 @@ class _RecomputedLayer(torch.autograd.Function):
         with torch.enable_grad(), replayed_rng(ctx.device, ctx.rng), contextlib.ExitStack() as stack:
             for kind, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-            with host_saved_tensors(ctx.device):
+            with host_saved_tensors(ctx.device), saved_tensors_leave_the_device(store.offloads):
                 outputs = ctx.function(*_arguments(ctx.layout, inputs))
         outputs = (outputs,) if ctx.output_is_tensor else tuple(outputs)
         grads = _unpark(grads, parked, store)
@@ -141,8 +142,14 @@ class _RecomputedLayer(torch.autograd.Function):
             # every floating-point input is this checkpoint's own copy: no output can be a caller's tensor
             _release(ours + [out for out in outputs if isinstance(out, torch.Tensor)])
         if pairs:
-            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
-        del pairs, grads
+            # the outputs' gradients go to the engine through a box that backward empties: no Python name holds
+            # them while the layer back-propagates (the first node to use one can add to it in place, or free it)
+            box, roots = [[grad for _, grad in pairs]], [out for out, _ in pairs]
+            del pairs, grads
+            with torch.enable_grad():  # (a backward runs without a graph)
+                root = _GradientSource.apply(box, *roots)  # []
+            torch.autograd.backward(root)
+            del roots, root
         handed_on = [t.grad if need else None for t, need in zip(inputs, needs)]
         for grad in handed_on:
             if grad is not None:
@@ -151,6 +158,23 @@ class _RecomputedLayer(torch.autograd.Function):
 
 
 loss_graph.register_sharded_computation(_RecomputedLayer)  # a decoder layer on this rank's shard
+
+
+class _GradientSource(torch.autograd.Function):
+    """A zero-dimensional root over ``outputs`` whose backward hands the engine the gradients waiting in ``box``
+    (a one-element list it empties): ``torch.autograd.backward(outputs, grads)`` would keep ``grads`` referenced by
+    its own frames until the whole backward is through, so the layer's output gradient (``[s, H]``) stayed beside
+    every gradient the layer made, and the residual's sum was a new tensor instead of an addition in place."""
+
+    @staticmethod
+    def forward(ctx, box: list, *outputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.box = box
+        return outputs[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _: torch.Tensor):  # type: ignore[override]
+        grads, ctx.box = ctx.box.pop(), None
+        return (None, *grads)
 
 
 # Input gradients made by a backward here and handed to the engine (this checkpoint's, a tiled norm's) carry this

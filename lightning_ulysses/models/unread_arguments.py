@@ -1,0 +1,186 @@
+"""The attention's inputs that the calling model code never reads again, given back to the allocator (Ulysses-Offload).
+
+A Hugging Face attention module keeps its rotated queries, keys and values as local variables until it returns:
+
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    attn_output, attn_weights = attention_interface(self, query_states, key_states, value_states, ...)
+    attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())   # q, k, v still held here
+    return attn_output, attn_weights
+
+With ``offload_attention`` the strategy's attention has copied what it needs of them into its chunk store, so those
+locals hold 1.5 ``[s, H]`` (Llama-3.1-8B's GQA shape) of dead bytes at the moment the layer's forward peaks (the output
+projection). Other models read them after the call (Diff-Llama splits its output by them, several vision towers reuse
+them): whether the caller does is read from the caller's own bytecode, not assumed.
+
+:func:`release_unread_arguments` frees an argument tensor's bytes only when all of these hold:
+
+- nothing will need its values for a backward pass: no graph is being recorded (a layer checkpoint's first forward,
+  evaluation), or :func:`saved_tensors_leave_the_device` (a layer checkpoint's recompute, whose saved tensors of a
+  megabyte or more wait in host memory, so autograd holds no device copy of them);
+- every local variable of the calling function that holds it is dead after the call in progress: on no path from
+  the call (exception handlers included) is it read before being assigned again; a variable that a closure captures,
+  or code that can read its frame's variables by name (``locals()``, ``vars()``, ``eval``, ``exec``, frame access),
+  counts as read;
+- no cache object (``transformers``' ``Cache``) is among the caller's variables, and the calling module does not keep
+  it as an attribute: nothing else in Python that is known to store it.
+
+Freeing swaps the tensor's storage for a one-element NaN storage with zero strides (``set_``): its shape stays, its
+bytes go back to the allocator once no other tensor views them, and a read that the analysis missed gives NaN (which
+the loss guard stops on), not a crash or another tensor's bytes; a write into it fails.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dis
+import functools
+import types
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+# names whose use lets code read its own frame's variables by name: any of them in a function disables the analysis
+_FRAME_READERS = frozenset({"locals", "vars", "eval", "exec", "_getframe", "currentframe", "getframeinfo",
+                            "f_locals", "f_back"})
+_NO_FALLTHROUGH = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE", "JUMP_FORWARD",
+                             "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE", "JUMP",
+                             "JUMP_NO_INTERRUPT"})
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+
+_HOST_SAVING = [0]  # depth of the layer recomputes whose saved tensors leave the device
+RELEASED = [0]  # tensors released in this process so far (what tests and benchmarks count)
+
+
+@contextlib.contextmanager
+def saved_tensors_leave_the_device(active: bool) -> Iterator[None]:
+    """While active, the large tensors autograd saves are copies in host memory (the strategy's layer checkpoint's
+    recompute, :func:`lightning_ulysses.models.layer_checkpoint.host_saved_tensors`): autograd holds no device tensor
+    of a megabyte or more."""
+    _HOST_SAVING[0] += int(active)
+    try:
+        yield
+    finally:
+        _HOST_SAVING[0] -= int(active)
+
+
+def release_unread_arguments(caller: Optional[types.FrameType], tensors: Sequence[torch.Tensor],
+                             module: Any = None) -> int:
+    """Free the bytes of each of ``tensors`` (arguments of the call in progress in ``caller``, the calling model
+    code's frame) that nothing reads again (the module docstring's conditions); ``module``: the calling module (its
+    attributes must not hold them). Returns how many were released."""
+    if caller is None or (torch.is_grad_enabled() and not _HOST_SAVING[0]):
+        return 0
+    holders = _holding_variables(caller, tensors)
+    if holders is None:
+        return 0
+    module_values = list(vars(module).values()) if module is not None and hasattr(module, "__dict__") else []
+    dead = dead_after_current_call(caller, {name for names in holders for name in names})
+    released = 0
+    for tensor, names in zip(tensors, holders):
+        if not names <= dead or any(value is tensor for value in module_values):
+            continue
+        _swap_for_poison(tensor)
+        released += 1
+    RELEASED[0] += released
+    return released
+
+
+def _holding_variables(caller: types.FrameType, tensors: Sequence[torch.Tensor]) -> Optional[list[set[str]]]:
+    """For each tensor the caller's variable names holding it (compared by ``is``: the objects are alive and held
+    here, so the comparison is exact); ``None`` when a cache is among the caller's variables."""
+    from transformers.cache_utils import Cache
+
+    variables = dict(caller.f_locals)  # a copy: on Python < 3.13 the frame's snapshot dict, on 3.13+ a proxy
+    if any(isinstance(value, Cache) for value in variables.values()):
+        return None
+    return [{name for name, value in variables.items() if value is tensor} for tensor in tensors]
+
+
+def _swap_for_poison(tensor: torch.Tensor) -> None:
+    with torch.no_grad():
+        poison = torch.full((1,), float("nan"), dtype=tensor.dtype, device=tensor.device)
+        tensor.set_(poison.untyped_storage(), 0, tensor.shape, (0,) * tensor.dim())  # [*shape], zero strides
+
+
+# ---------------------------------------------------------------------------------------------- bytecode liveness
+def dead_after_current_call(frame: types.FrameType, names: set[str]) -> set[str]:
+    """The ``names`` among ``frame``'s local variables that no path from its call in progress reads before assigning
+    them again (exception handlers count as paths; a captured variable, or code that reads its frame by name, counts
+    as read). Empty where ``frame`` is not at a call or its bytecode is not understood."""
+    code = frame.f_code
+    if set(code.co_names) & _FRAME_READERS or "locals" in code.co_varnames:
+        return set()
+    names = set(names) - set(code.co_cellvars) - set(code.co_freevars)
+    flow = _flow(code)
+    if flow is None or not names:
+        return set()
+    instructions, offsets, successors = flow
+    at = bisect.bisect_right(offsets, frame.f_lasti) - 1  # f_lasti may point into the call's inline caches
+    if at < 0 or not instructions[at].opname.startswith("CALL"):
+        return set()
+    return {name for name in names if not _read_later(instructions, successors, at, name)}
+
+
+def _read_later(instructions: list[dis.Instruction], successors: list[list[int]], start: int, name: str) -> bool:
+    seen: set[int] = set()
+    pending = list(successors[start])
+    while pending:
+        index = pending.pop()
+        if index in seen:
+            continue
+        seen.add(index)
+        effect = _effect(instructions[index], name)
+        if effect == "read":
+            return True
+        if effect != "assign":
+            pending.extend(successors[index])
+    return False
+
+
+def _effect(instruction: dis.Instruction, name: str) -> Optional[str]:
+    """What ``instruction`` does to local variable ``name``: ``"read"``, ``"assign"`` (or delete), or ``None``."""
+    opname, value = instruction.opname, instruction.argval
+    if not any(part in opname for part in ("FAST", "DEREF", "CLOSURE", "CELL", "NAME")):
+        return None
+    mentioned = value if isinstance(value, tuple) else (value,)
+    if name not in mentioned:
+        return None
+    if opname in ("STORE_FAST", "DELETE_FAST", "STORE_FAST_STORE_FAST"):
+        return "assign"
+    if opname == "STORE_FAST_LOAD_FAST" and mentioned[0] == name and mentioned[-1] != name:
+        return "assign"
+    return "read"  # every other instruction naming it (loads, cells, anything newer) counts as a read
+
+
+@functools.lru_cache(maxsize=512)
+def _flow(code: types.CodeType) -> Optional[tuple[list[dis.Instruction], list[int], list[list[int]]]]:
+    """``code``'s instructions, their offsets and each one's successors (fall-through, jump target, the exception
+    handler of the range it is in)."""
+    try:
+        bytecode = dis.Bytecode(code)
+        instructions = list(bytecode)
+        entries = list(bytecode.exception_entries)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    offsets = [instruction.offset for instruction in instructions]
+    index_of = {offset: index for index, offset in enumerate(offsets)}
+    successors: list[list[int]] = []
+    for index, instruction in enumerate(instructions):
+        following = []
+        if instruction.opname not in _NO_FALLTHROUGH and index + 1 < len(instructions):
+            following.append(index + 1)
+        if instruction.opcode in _JUMPS:
+            target = index_of.get(getattr(instruction, "jump_target", None) or instruction.argval)
+            if target is None:
+                return None  # a jump this reading does not resolve: no claim about this code
+            following.append(target)
+        for entry in entries:
+            if entry.start <= instruction.offset < entry.end:
+                handler = index_of.get(entry.target)
+                if handler is None:
+                    return None
+                following.append(handler)
+        successors.append(following)
+    return instructions, offsets, successors
+

@@ -1,0 +1,157 @@
+"""models/unread_arguments.py: which of the caller's variables its bytecode never reads again after the call in
+progress, and the release of the attention's inputs that only those variables hold. In process; the release inside
+launched training (every layer's q, k, v given back, losses and updates those of one device) is asserted in
+tests/test_offload_attention.py (`..._and_the_alst_switches_...`), the memory it frees in the planner's trace in
+tests/models/test_layer_checkpoint.py."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from lightning_ulysses.models import unread_arguments
+from lightning_ulysses.models.unread_arguments import dead_after_current_call, release_unread_arguments
+
+
+def _attention(q, k, v, seen=None):
+    """Stands for the strategy's attention: answers from its inputs, then releases what the caller never reads."""
+    out = q + k + v
+    released = release_unread_arguments(sys._getframe(1), (q, k, v))
+    if seen is not None:
+        seen.append(released)
+    return out
+
+
+def _hf_like(x, seen):
+    query_states, key_states, value_states = x * 2, x * 3, x * 4
+    attn_output = _attention(query_states, key_states, value_states, seen)
+    attn_output = attn_output * 1.5
+    return attn_output
+
+
+def _reads_query_after(x, seen):
+    query_states, key_states, value_states = x * 2, x * 3, x * 4
+    attn_output = _attention(query_states, key_states, value_states, seen)
+    return attn_output - query_states  # as Diff-Llama-style code reads its inputs again
+
+
+def _reads_in_the_next_iteration(x, seen):
+    out = torch.zeros_like(x)
+    query_states = x * 2
+    for _ in range(2):
+        out = out + _attention(query_states, x * 3, x * 4, seen)  # the loop reads q again
+    return out
+
+
+def _reads_in_a_handler(x, seen):
+    query_states = x * 2
+    try:
+        out = _attention(query_states, x * 3, x * 4, seen)
+    finally:
+        query_states.sum()  # a finally block runs after the call
+    return out
+
+
+def _assigns_before_reading(x, seen):
+    query_states = x * 2
+    out = _attention(query_states, x * 3, x * 4, seen)
+    query_states = out * 2  # a new value: the old one is dead
+    return out + query_states
+
+
+def _captured_by_a_closure(x, seen):
+    query_states = x * 2
+    later = lambda: query_states.sum()  # noqa: E731 - a closure may read it at any time
+    out = _attention(query_states, x * 3, x * 4, seen)
+    return out + later()
+
+
+def _keeps_a_cache(x, seen):
+    cache = DynamicCache()  # noqa: F841 - a cache in the caller may hold its inputs
+    query_states = x * 2
+    return _attention(query_states, x * 3, x * 4, seen)
+
+
+@pytest.mark.parametrize("function,released", [
+    (_hf_like, 3),
+    (_reads_query_after, 2),  # k and v only
+    (_reads_in_the_next_iteration, 4),  # the temporaries x * 3 and x * 4 of both calls (no variable holds them)
+    (_reads_in_a_handler, 2),
+    (_assigns_before_reading, 3),
+    (_captured_by_a_closure, 2),
+    (_keeps_a_cache, 0),
+])
+def test_only_what_the_caller_never_reads_again_is_released(function, released):
+    x = torch.randn(4, 1024)
+    reference = function(x.clone(), None)  # a graph may be recorded (grad mode): nothing is released
+    seen: list[int] = []
+    with torch.no_grad():
+        got = function(x.clone(), seen)
+    assert sum(seen) == released, seen
+    torch.testing.assert_close(got, reference, rtol=0, atol=0)  # nothing read a released tensor
+
+
+def test_a_released_tensor_keeps_its_shape_gives_its_bytes_back_and_reads_nan():
+    x = torch.randn(256, 1024)
+
+    def caller(q):
+        return _attention(q, x * 3, x * 4)  # q is dead here after the call
+
+    with torch.no_grad():
+        q = x * 2
+        old = q.untyped_storage()
+        before = unread_arguments.RELEASED[0]
+        caller(q)  # this frame still names q, but only the caller's frame is asked: a test's way to look inside
+    assert unread_arguments.RELEASED[0] - before == 3
+    assert q.shape == (256, 1024) and q.untyped_storage().nbytes() == q.element_size()  # one NaN element
+    assert old.nbytes() == 256 * 1024 * 4  # the old storage lives on only through this test's name for it
+    assert torch.isnan(q).all()
+    with pytest.raises(RuntimeError):
+        q.add_(1.0)  # zero strides: a write fails
+
+
+def test_nothing_is_released_while_a_graph_is_recorded_unless_saved_tensors_leave_the_device():
+    x = torch.randn(4, 1024, requires_grad=True)
+    seen: list[int] = []
+    out = _hf_like(x, seen)  # autograd may hold them: kept
+    out.sum().backward()
+    assert seen == [0]
+    seen.clear()
+    with unread_arguments.saved_tensors_leave_the_device(True):
+        _hf_like(x.detach(), seen)
+    assert seen == [3]
+
+
+def test_an_attribute_of_the_calling_module_holding_it_keeps_it():
+    class Keeper(torch.nn.Module):
+        def forward(self, x):
+            query_states = x * 2
+            self.last_query = query_states
+            out = query_states + 1
+            n = release_unread_arguments(sys._getframe(0), (query_states,), self)  # as if inside the call
+            return out, n
+
+    with torch.no_grad():
+        _, released = Keeper()(torch.randn(4, 1024))
+    assert released == 0
+
+
+def test_the_liveness_of_a_frame_at_a_call():
+    found = {}
+
+    def probe():
+        frame = sys._getframe(1)
+        found["dead"] = dead_after_current_call(frame, {"a", "b", "c"})
+
+    def function():
+        a, b, c = 1, 2, 3
+        probe()
+        if b:
+            return c
+        return 0
+
+    function()
+    assert found["dead"] == {"a"}
