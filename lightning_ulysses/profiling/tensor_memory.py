@@ -45,7 +45,11 @@ KINDS = (
 )
 _UNSAVED_KINDS = ("temporaries", "gradients and optimizer")  # what a storage is unless autograd saves it
 _EXCHANGE_FILE = "lightning_ulysses/parallel/exchange.py"
-_LOSS_FILES = ("lightning_ulysses/training/loss.py", "lightning_ulysses/models/memory.py")
+_LOSS_FILES = ("lightning_ulysses/training/loss.py",)
+# the tiled loss's functions in the memory switches' module (the rest of it, the tiled MLP and the model's forward
+# wrapped by the switches, is not the loss)
+_LOSS_FUNCTIONS = {"lightning_ulysses/models/memory.py": ("tiled_cross_entropy_sum", "tiled_token_statistics",
+                                                          "_chunk_loss_sum")}
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 
 
@@ -239,22 +243,29 @@ def _kind_of(tensor: torch.Tensor, module: str) -> str:
         return "masks"
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return "positions and indices"
-    files = _calling_files()
-    if any(_EXCHANGE_FILE in name for name in files):
+    frames = _calling_frames()
+    if any(_EXCHANGE_FILE in name for name, _ in frames):
         return "exchange buffers"
-    if module.endswith("lm_head") or any(loss in name for name in files for loss in _LOSS_FILES):
+    if module.endswith("lm_head") or any(_in_loss(name, function) for name, function in frames):
         return "logits and loss"
     if not module:
         return "gradients and optimizer"
     return "temporaries"
 
 
-def _calling_files(depth: int = 24) -> list[str]:
-    frame, files = sys._getframe(3), []
-    while frame is not None and len(files) < depth:
-        files.append(frame.f_code.co_filename.replace("\\", "/"))
+def _in_loss(filename: str, function: str) -> bool:
+    if any(loss in filename for loss in _LOSS_FILES):
+        return True
+    return any(path in filename and function in functions for path, functions in _LOSS_FUNCTIONS.items())
+
+
+def _calling_frames(depth: int = 24) -> list[tuple[str, str]]:
+    """(file, function) of the Python frames that led to the operation being recorded, innermost first."""
+    frame, frames = sys._getframe(3), []
+    while frame is not None and len(frames) < depth:
+        frames.append((frame.f_code.co_filename.replace("\\", "/"), frame.f_code.co_name))
         frame = frame.f_back
-    return files
+    return frames
 
 
 # module -> its path in the model being tracked, registered by name_modules()

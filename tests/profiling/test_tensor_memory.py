@@ -259,3 +259,29 @@ def test_the_plan_of_ring_attention_and_of_partitioned_zero3_is_within_two_perce
         assert abs(plan.peak - measured) <= 0.02 * measured, (payload, plan.peak, measured)
     for sp, ranks in launched["ring"].items():  # the ring does not change the training
         assert ranks[0]["losses"] == pytest.approx(launched["ring"][2][0]["losses"], rel=1e-5)
+
+
+def test_only_the_loss_is_counted_as_logits_and_loss_under_the_memory_switches():
+    """The memory switches wrap the model's forward (models/memory.py); what the model and the tiled MLP make there is
+    not the loss: only the tiled loss's own functions and the LM head count as "logits and loss" (before, everything
+    made under that module's forward did, and the plan's table put the layers' activations under the loss)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_ulysses.models import memory
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    model = LlamaForCausalLM(config)
+    memory.enable(model, memory.MemoryFeatures(tiled_mlp=2, tiled_loss=2), None)
+    name_modules(model)
+    ids = torch.zeros(1, 64, dtype=torch.long)
+    try:
+        with TensorMemoryTracker() as tracker:
+            loss = model(input_ids=ids, shift_labels=ids).loss  # the forward of layers and loss, under the switches
+        forward = tracker.result()
+    finally:
+        memory.disable(model)
+    one_chunk_of_logits = 32 * 128 * FLOAT  # the tiled loss in 2 chunks of 32 tokens
+    assert forward.by_kind.get("logits and loss", 0) <= one_chunk_of_logits, forward.by_kind  # was all 504 KB
+    assert forward.by_kind["saved for backward"] >= 2 * 64 * 64 * FLOAT, forward.by_kind  # the layers' inputs
+    del loss
