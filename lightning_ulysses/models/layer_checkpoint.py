@@ -131,7 +131,8 @@ class _RecomputedLayer(torch.autograd.Function):
         with torch.enable_grad(), replayed_rng(ctx.device, ctx.rng), contextlib.ExitStack() as stack:
             for kind, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-            with host_saved_tensors(ctx.device), saved_tensors_leave_the_device(store.offloads):
+            with host_saved_tensors(ctx.device), saved_tensors_leave_the_device(
+                    HOST_MIN_BYTES if store.offloads else None):
                 outputs = ctx.function(*_arguments(ctx.layout, inputs))
         outputs = (outputs,) if ctx.output_is_tensor else tuple(outputs)
         grads = _unpark(grads, parked, store)

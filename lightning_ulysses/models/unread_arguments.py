@@ -15,8 +15,9 @@ them): whether the caller does is read from the caller's own bytecode, not assum
 :func:`release_unread_arguments` frees an argument tensor's bytes only when all of these hold:
 
 - nothing will need its values for a backward pass: no graph is being recorded (a layer checkpoint's first forward,
-  evaluation), or :func:`saved_tensors_leave_the_device` (a layer checkpoint's recompute, whose saved tensors of a
-  megabyte or more wait in host memory, so autograd holds no device copy of them);
+  evaluation), or it is inside :func:`saved_tensors_leave_the_device` and its storage is large enough that what
+  autograd saves of it is a copy (a layer checkpoint's recompute on CUDA: a megabyte or more goes to host memory;
+  autograd holding the tensor itself would read the NaN below in backward, silently);
 - every local variable of the calling function that holds it is dead after the call in progress: on no path from
   the call (exception handlers included) is it read before being assigned again; a variable that a closure captures,
   or code that can read its frame's variables by name (``locals()``, ``vars()``, ``eval``, ``exec``, frame access),
@@ -48,20 +49,24 @@ _NO_FALLTHROUGH = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "R
                              "JUMP_NO_INTERRUPT"})
 _JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
 
-_HOST_SAVING = [0]  # depth of the layer recomputes whose saved tensors leave the device
+_HOST_SAVING: list[int] = []  # per layer recompute in progress whose saved tensors leave the device: from what size
 RELEASED = [0]  # tensors released in this process so far (what tests and benchmarks count)
 
 
 @contextlib.contextmanager
-def saved_tensors_leave_the_device(active: bool) -> Iterator[None]:
-    """While active, the large tensors autograd saves are copies in host memory (the strategy's layer checkpoint's
-    recompute, :func:`lightning_ulysses.models.layer_checkpoint.host_saved_tensors`): autograd holds no device tensor
-    of a megabyte or more."""
-    _HOST_SAVING[0] += int(active)
+def saved_tensors_leave_the_device(min_bytes: Optional[int]) -> Iterator[None]:
+    """While in it, what autograd saves of a storage of ``min_bytes`` or more is a copy (in host memory, or a small
+    view's clone: the strategy's layer checkpoint's recompute,
+    :func:`lightning_ulysses.models.layer_checkpoint.host_saved_tensors`), never the device tensor itself; ``None``:
+    not so (nothing moves, as on a CPU)."""
+    if min_bytes is None:
+        yield
+        return
+    _HOST_SAVING.append(min_bytes)
     try:
         yield
     finally:
-        _HOST_SAVING[0] -= int(active)
+        _HOST_SAVING.pop()
 
 
 def release_unread_arguments(caller: Optional[types.FrameType], tensors: Sequence[torch.Tensor],
@@ -69,7 +74,8 @@ def release_unread_arguments(caller: Optional[types.FrameType], tensors: Sequenc
     """Free the bytes of each of ``tensors`` (arguments of the call in progress in ``caller``, the calling model
     code's frame) that nothing reads again (the module docstring's conditions); ``module``: the calling module (its
     attributes must not hold them). Returns how many were released."""
-    if caller is None or (torch.is_grad_enabled() and not _HOST_SAVING[0]):
+    recording = torch.is_grad_enabled()
+    if caller is None or (recording and not _HOST_SAVING):
         return 0
     holders = _holding_variables(caller, tensors)
     if holders is None:
@@ -80,6 +86,8 @@ def release_unread_arguments(caller: Optional[types.FrameType], tensors: Sequenc
     for tensor, names in zip(tensors, holders):
         if not names <= dead or any(value is tensor for value in module_values):
             continue
+        if recording and tensor.untyped_storage().nbytes() < _HOST_SAVING[-1]:
+            continue  # autograd may hold this very tensor for backward (small ones stay on the device)
         _swap_for_poison(tensor)
         released += 1
     RELEASED[0] += released

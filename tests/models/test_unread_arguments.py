@@ -120,9 +120,28 @@ def test_nothing_is_released_while_a_graph_is_recorded_unless_saved_tensors_leav
     out.sum().backward()
     assert seen == [0]
     seen.clear()
-    with unread_arguments.saved_tensors_leave_the_device(True):
-        _hf_like(x.detach(), seen)
+    with unread_arguments.saved_tensors_leave_the_device(4 * 1024 * 4):
+        _hf_like(x.detach(), seen)  # storages of 16 KiB: what autograd saves of them is a copy
     assert seen == [3]
+    seen.clear()
+    with unread_arguments.saved_tensors_leave_the_device(4 * 1024 * 4 + 1):
+        _hf_like(x.detach(), seen)  # smaller than what moves: autograd may hold them themselves
+    assert seen == [0]
+    seen.clear()
+    with unread_arguments.saved_tensors_leave_the_device(None):  # nothing moves (a CPU)
+        _hf_like(x.detach(), seen)
+    assert seen == [0]
+
+
+def test_a_saved_tensor_poisoned_fails_loudly_without_hooks():
+    """Why the size condition: without saved-tensor hooks autograd's version check stops a backward that would read
+    a released tensor; through hooks that keep the tensor itself it would read NaN silently."""
+    weight = torch.randn(8, requires_grad=True)
+    q = torch.randn(4, 8, requires_grad=True) * 2
+    y = (q * weight).sum()  # saves q for the weight's gradient
+    unread_arguments._swap_for_poison(q)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
 
 
 def test_an_attribute_of_the_calling_module_holding_it_keeps_it():

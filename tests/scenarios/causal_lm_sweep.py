@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import threading
 import time
 from pathlib import Path
@@ -117,6 +118,15 @@ def run(payload: dict) -> dict:
         from lightning_ulysses.models import rotary_tiles
 
         rotary_tiles.TILE_BYTES = int(payload["rotary_tile_bytes"])
+    if payload.get("emulate_host"):  # a GPU's host copies on this CPU: the CUDA paths of the ALST + offload switches
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+        import host_emulation
+
+        from lightning_ulysses.models import layer_checkpoint
+
+        host_emulation.checkpoints_on_a_host()
+        host_emulation.attention_chunks_on_a_host()
+        layer_checkpoint.HOST_MIN_BYTES = 1024  # the sweep's tiny shapes: q is 4 KiB; what is smaller stays
     folder = Path(payload["progress"]) / f"rank{rank}" if payload.get("progress") else None
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
