@@ -36,6 +36,7 @@ import bisect
 import contextlib
 import dis
 import functools
+import sys
 import types
 from typing import Any, Iterator, Optional, Sequence
 
@@ -47,7 +48,7 @@ _FRAME_READERS = frozenset({"locals", "vars", "eval", "exec", "_getframe", "curr
 _NO_FALLTHROUGH = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE", "JUMP_FORWARD",
                              "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE", "JUMP",
                              "JUMP_NO_INTERRUPT"})
-_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs) | frozenset(getattr(dis, "hasjump", ()))
 
 _HOST_SAVING: list[int] = []  # per layer recompute in progress whose saved tensors leave the device: from what size
 RELEASED = [0]  # tensors released in this process so far (what tests and benchmarks count)
@@ -75,7 +76,7 @@ def release_unread_arguments(caller: Optional[types.FrameType], tensors: Sequenc
     code's frame) that nothing reads again (the module docstring's conditions); ``module``: the calling module (its
     attributes must not hold them). Returns how many were released."""
     recording = torch.is_grad_enabled()
-    if caller is None or (recording and not _HOST_SAVING):
+    if caller is None or (recording and not _HOST_SAVING) or not reading_verified():
         return 0
     holders = _holding_variables(caller, tensors)
     if holders is None:
@@ -178,8 +179,9 @@ def _flow(code: types.CodeType) -> Optional[tuple[list[dis.Instruction], list[in
         following = []
         if instruction.opname not in _NO_FALLTHROUGH and index + 1 < len(instructions):
             following.append(index + 1)
-        if instruction.opcode in _JUMPS:
-            target = index_of.get(getattr(instruction, "jump_target", None) or instruction.argval)
+        jump_target = getattr(instruction, "jump_target", None)  # Python 3.13+ names it
+        if instruction.opcode in _JUMPS or jump_target is not None:
+            target = index_of.get(jump_target if jump_target is not None else instruction.argval)
             if target is None:
                 return None  # a jump this reading does not resolve: no claim about this code
             following.append(target)
@@ -192,3 +194,82 @@ def _flow(code: types.CodeType) -> Optional[tuple[list[dis.Instruction], list[in
         successors.append(following)
     return instructions, offsets, successors
 
+
+
+# ------------------------------------------------------------------------------------------- the reading, checked
+# This reading of CPython's bytecode is tested on the Python the project pins (3.11). On another version a new opcode
+# or control-flow form could hide a read; so before the first release the reading answers probes whose answers are
+# known (a read after the call, in the next loop iteration, in a finally block, an assignment first, a closure, a
+# read on one branch only), and any wrong answer turns the release off for the process.
+def _probe_point(names: set[str], found: dict) -> None:
+    found["dead"] = dead_after_current_call(sys._getframe(1), names)
+
+
+def _probe_after(found: dict) -> int:
+    a, b, c = 1, 2, 3
+    _probe_point({"a", "b", "c"}, found)
+    del a  # (an unbinding, not a read)
+    if b:
+        return c
+    return 0
+
+
+def _probe_loop(found: dict) -> int:
+    total, a, b = 0, 1, 2
+    for _ in range(2):
+        _probe_point({"a", "b"}, found)
+        total += a
+    del b
+    return total
+
+
+def _probe_finally(found: dict) -> int:
+    a, b = 1, 2
+    try:
+        _probe_point({"a", "b"}, found)
+    finally:
+        a += 1
+    del b
+    return a
+
+
+def _probe_assigned(found: dict) -> int:
+    a, b = 1, 2
+    _probe_point({"a", "b"}, found)
+    a = 5
+    return a + b
+
+
+def _probe_closure(found: dict) -> int:
+    a, b = 1, 2
+    later = lambda: a  # noqa: E731
+    _probe_point({"a", "b"}, found)
+    del b
+    return later()
+
+
+def _probe_comprehension(found: dict) -> list:
+    a, b, x = 1, 2, 3
+    _probe_point({"a", "b", "x"}, found)
+    values = [x for x in range(b)]  # the comprehension's own x (inlined on 3.12+) does not read this x
+    del a, x
+    return values
+
+
+# (probe, the variables truly dead at its call, those the reading must find): it may miss one (3.12+ inlines the
+# comprehension, whose LOAD_FAST_AND_CLEAR counts as a read), never call a live one dead
+_PROBES = ((_probe_after, {"a"}, {"a"}), (_probe_loop, {"b"}, {"b"}), (_probe_finally, {"b"}, {"b"}),
+           (_probe_assigned, {"a"}, {"a"}), (_probe_closure, {"b"}, {"b"}), (_probe_comprehension, {"a", "x"}, {"a"}))
+
+
+@functools.lru_cache(maxsize=1)
+def reading_verified() -> bool:
+    """Whether this Python's bytecode is read right on the probes above (once per process): no live variable called
+    dead, the plain cases found."""
+    for probe, truly_dead, must_find in _PROBES:
+        found: dict = {}
+        probe(found)
+        dead = found.get("dead", set())
+        if not must_find <= dead <= truly_dead:
+            return False
+    return True

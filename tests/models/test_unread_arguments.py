@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from lightning_ulysses.models import unread_arguments
-from lightning_ulysses.models.unread_arguments import dead_after_current_call, release_unread_arguments
+from lightning_ulysses.models.unread_arguments import release_unread_arguments
 
 
 def _attention(q, k, v, seen=None):
@@ -70,9 +70,11 @@ def _captured_by_a_closure(x, seen):
 
 
 def _keeps_a_cache(x, seen):
-    cache = DynamicCache()  # noqa: F841 - a cache in the caller may hold its inputs
+    cache = DynamicCache()  # a cache in the caller may hold its inputs
     query_states = x * 2
-    return _attention(query_states, x * 3, x * 4, seen)
+    out = _attention(query_states, x * 3, x * 4, seen)
+    del cache
+    return out
 
 
 @pytest.mark.parametrize("function,released", [
@@ -158,19 +160,30 @@ def test_an_attribute_of_the_calling_module_holding_it_keeps_it():
     assert released == 0
 
 
-def test_the_liveness_of_a_frame_at_a_call():
-    found = {}
+@pytest.mark.parametrize("probe,truly_dead,must_find", unread_arguments._PROBES,
+                         ids=[probe.__name__ for probe, _, _ in unread_arguments._PROBES])
+def test_the_reading_of_each_probe(probe, truly_dead, must_find):
+    """A read after the call, in the next loop iteration, in a finally block, an assignment first, a closure, a
+    comprehension's own variable: this Python's answers (3.11: exact)."""
+    found: dict = {}
+    probe(found)
+    assert must_find <= found["dead"] <= truly_dead, found
+    if sys.version_info[:2] == (3, 11):
+        assert found["dead"] == truly_dead
 
-    def probe():
-        frame = sys._getframe(1)
-        found["dead"] = dead_after_current_call(frame, {"a", "b", "c"})
 
-    def function():
-        a, b, c = 1, 2, 3
-        probe()
-        if b:
-            return c
-        return 0
-
-    function()
-    assert found["dead"] == {"a"}
+def test_a_reading_that_misses_reads_fails_its_probes_and_releases_nothing(monkeypatch):
+    """On another Python a new opcode could hide a read: the probes with known answers catch a reading that calls a
+    live variable dead, and then nothing is released."""
+    assert unread_arguments.reading_verified()
+    monkeypatch.setattr(unread_arguments, "_effect", lambda instruction, name: None)  # sees no read at all
+    unread_arguments._flow.cache_clear()
+    unread_arguments.reading_verified.cache_clear()
+    try:
+        assert not unread_arguments.reading_verified()
+        seen: list[int] = []
+        with torch.no_grad():
+            _reads_query_after(torch.randn(4, 1024), seen)
+        assert seen == [0]
+    finally:
+        unread_arguments.reading_verified.cache_clear()
