@@ -42,6 +42,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from lightning_ulysses import _compat
+
 # names whose use lets code read its own frame's variables by name: any of them in a function disables the analysis
 _FRAME_READERS = frozenset({"locals", "vars", "eval", "exec", "_getframe", "currentframe", "getframeinfo",
                             "f_locals", "f_back"})
@@ -74,36 +76,50 @@ def release_unread_arguments(caller: Optional[types.FrameType], tensors: Sequenc
                              module: Any = None) -> int:
     """Free the bytes of each of ``tensors`` (arguments of the call in progress in ``caller``, the calling model
     code's frame) that nothing reads again (the module docstring's conditions); ``module``: the calling module (its
-    attributes must not hold them). Returns how many were released."""
+    attributes must not hold them). A view's bytes are its base's: the base (a projection's output that the view
+    reshapes, or a fused q/k/v projection's) is released too once no other tensor views it and it passes the same
+    conditions. Returns how many tensors were released."""
     recording = torch.is_grad_enabled()
     if caller is None or (recording and not _HOST_SAVING) or not reading_verified():
         return 0
-    holders = _holding_variables(caller, tensors)
-    if holders is None:
+    variables = _caller_variables(caller)
+    if variables is None:
         return 0
     module_values = list(vars(module).values()) if module is not None and hasattr(module, "__dict__") else []
-    dead = dead_after_current_call(caller, {name for names in holders for name in names})
-    released = 0
-    for tensor, names in zip(tensors, holders):
-        if not names <= dead or any(value is tensor for value in module_values):
-            continue
-        if recording and tensor.untyped_storage().nbytes() < _HOST_SAVING[-1]:
-            continue  # autograd may hold this very tensor for backward (small ones stay on the device)
+
+    def unread(tensor: torch.Tensor) -> bool:
+        names = {name for name, value in variables.items() if value is tensor}  # `is`: both alive, held here
+        if names and not names <= dead_after_current_call(caller, names):
+            return False
+        if any(value is tensor for value in module_values):
+            return False
+        # in a recompute, autograd may hold a small tensor itself for backward (small ones stay on the device)
+        return not recording or tensor.untyped_storage().nbytes() >= _HOST_SAVING[-1]
+
+    released = [tensor for tensor in tensors if unread(tensor)]
+    bases: list[torch.Tensor] = []
+    for tensor in released:
+        base = tensor._base
+        if base is not None and not any(base is known for known in bases):
+            bases.append(base)
+    for tensor in released:
         _swap_for_poison(tensor)
-        released += 1
-    RELEASED[0] += released
-    return released
+    for base in bases:  # once its views here are released: no other tensor may still view its bytes
+        if _compat.storage_use_count(base) == _compat.LONE_STORAGE_USE_COUNT and unread(base):
+            _swap_for_poison(base)
+            released.append(base)
+    RELEASED[0] += len(released)
+    return len(released)
 
 
-def _holding_variables(caller: types.FrameType, tensors: Sequence[torch.Tensor]) -> Optional[list[set[str]]]:
-    """For each tensor the caller's variable names holding it (compared by ``is``: the objects are alive and held
-    here, so the comparison is exact); ``None`` when a cache is among the caller's variables."""
+def _caller_variables(caller: types.FrameType) -> Optional[dict[str, Any]]:
+    """The caller's variables by name; ``None`` when a cache (``transformers``' ``Cache``) is among them."""
     from transformers.cache_utils import Cache
 
     variables = dict(caller.f_locals)  # a copy: on Python < 3.13 the frame's snapshot dict, on 3.13+ a proxy
     if any(isinstance(value, Cache) for value in variables.values()):
         return None
-    return [{name for name, value in variables.items() if value is tensor} for tensor in tensors]
+    return variables
 
 
 def _swap_for_poison(tensor: torch.Tensor) -> None:

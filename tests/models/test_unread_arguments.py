@@ -18,7 +18,7 @@ from lightning_ulysses.models.unread_arguments import release_unread_arguments
 
 def _attention(q, k, v, seen=None):
     """Stands for the strategy's attention: answers from its inputs, then releases what the caller never reads."""
-    out = q + k + v
+    out = q + k + v.transpose(0, 1).reshape(q.shape)
     released = release_unread_arguments(sys._getframe(1), (q, k, v))
     if seen is not None:
         seen.append(released)
@@ -26,7 +26,8 @@ def _attention(q, k, v, seen=None):
 
 
 def _hf_like(x, seen):
-    query_states, key_states, value_states = x * 2, x * 3, x * 4
+    query_states, key_states = x * 2, x * 3
+    value_states = (x * 4).view(4, 8, 128).transpose(0, 1)  # a view of the projection's output, as HF's values
     attn_output = _attention(query_states, key_states, value_states, seen)
     attn_output = attn_output * 1.5
     return attn_output
@@ -62,6 +63,14 @@ def _assigns_before_reading(x, seen):
     return out + query_states
 
 
+def _another_view_stays(x, seen):
+    projected = x * 4
+    value_states = projected.view(4, 8, 128).transpose(0, 1)
+    rows = projected[:2]  # another view of the same bytes, read after the call
+    out = _attention(x * 2, x * 3, value_states, seen)
+    return out + rows.sum()  # v is dead, its base is not: another view of it is read
+
+
 def _captured_by_a_closure(x, seen):
     query_states = x * 2
     later = lambda: query_states.sum()  # noqa: E731 - a closure may read it at any time
@@ -78,11 +87,12 @@ def _keeps_a_cache(x, seen):
 
 
 @pytest.mark.parametrize("function,released", [
-    (_hf_like, 3),
+    (_hf_like, 4),  # q, k, v and the output v views
     (_reads_query_after, 2),  # k and v only
     (_reads_in_the_next_iteration, 4),  # the temporaries x * 3 and x * 4 of both calls (no variable holds them)
     (_reads_in_a_handler, 2),
     (_assigns_before_reading, 3),
+    (_another_view_stays, 3),  # q, k, v, not the output v views (a live view of it stays)
     (_captured_by_a_closure, 2),
     (_keeps_a_cache, 0),
 ])
@@ -124,7 +134,7 @@ def test_nothing_is_released_while_a_graph_is_recorded_unless_saved_tensors_leav
     seen.clear()
     with unread_arguments.saved_tensors_leave_the_device(4 * 1024 * 4):
         _hf_like(x.detach(), seen)  # storages of 16 KiB: what autograd saves of them is a copy
-    assert seen == [3]
+    assert seen == [4]  # q, k, v and its base
     seen.clear()
     with unread_arguments.saved_tensors_leave_the_device(4 * 1024 * 4 + 1):
         _hf_like(x.detach(), seen)  # smaller than what moves: autograd may hold them themselves
