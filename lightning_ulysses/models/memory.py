@@ -136,6 +136,36 @@ def _decoder_norms(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def _attention_norms(model: nn.Module) -> list[nn.Module]:
+    """The query and key norms inside each layer's attention (Qwen3's, Gemma 3's and OLMo 2's ``q_norm``/``k_norm``),
+    recognised by shape: leaf children of a decoder layer's direct children (not of its ``.mlp``), whose parameters
+    are all one-dimensional of the head size, the query projection's or the key projection's width, and whose forward
+    takes one input (``[B, s, heads, head_dim]`` or ``[B, s, heads·head_dim]``, each row on its own). Their eager
+    backward in 16 bits holds several float32 copies of the whole projection (Qwen3-8B's shape, ALST's switches:
+    10 of its 14 ``[s, H]`` peak); tiled over the rows, one tile's worth. A norm whose output on rows differs from its
+    output on the whole input (checked once per input layout) runs whole."""
+    config = getattr(model.config, "text_config", None) or model.config
+    hidden = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not hidden or not heads:
+        return []
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    sizes = {head_dim, heads * head_dim, kv_heads * head_dim}
+    layers = {name.rpartition(".")[0] for name, _ in model.named_modules() if name.endswith(".mlp")}
+    found = []
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0]
+        if parent.rpartition(".")[0] not in layers or parent.endswith(".mlp") or \
+                next(module.children(), None) is not None:
+            continue
+        shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in module.parameters()]  # ZeRO 3: the whole shape
+        if shapes and all(len(shape) == 1 and shape[0] in sizes for shape in shapes) and \
+                _one_input(type(module).forward):
+            found.append(module)
+    return found
+
+
 def _one_input(forward: Any) -> bool:
     try:
         parameters = list(inspect.signature(forward).parameters.values())[1:]  # after self
@@ -159,6 +189,9 @@ def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepCon
         hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
         for module in _decoder_mlps(model) + _decoder_norms(model):
             _tile_mlp(module, features.tiled_mlp, hidden_size, context)
+            saved["mlps"].append(module)
+        for module in _attention_norms(model):  # over the rows of the projection they normalise
+            _tile_mlp(module, features.tiled_mlp, hidden_size, context, rows=True)
             saved["mlps"].append(module)
     if features.tiled_loss or features.offload_checkpoints:
         saved["forward"] = on_instance(model, "forward")
@@ -191,19 +224,51 @@ def disable(model: nn.Module) -> None:
         model.gradient_checkpointing_disable()
 
 
-def _tile_mlp(mlp: nn.Module, setting: TileSetting, hidden_size: int, context: Optional[StepContext]) -> None:
+def _tile_mlp(mlp: nn.Module, setting: TileSetting, hidden_size: int, context: Optional[StepContext],
+              rows: bool = False) -> None:
+    """Run ``mlp`` through :class:`TiledMLP` over dim -2 of its input ``[B, s, H]``; ``rows``: over every row of
+    its last dimension (``[..., D]`` seen as ``[N, D]``: a norm of each head's vector), as many tiles as a ``[B, s,
+    H]`` input of the same bytes would have, where the module gives the same output on rows (else it runs whole)."""
     original = type(mlp).forward.__get__(mlp)
     params = [p for p in mlp.parameters() if p.requires_grad]
 
-    def tiled_forward(x: torch.Tensor) -> torch.Tensor:  # x: [B, s, H]
-        tiles = tile_count(setting, _agreed_shard_len(x.shape[-2], context), hidden_size or x.shape[-1])
+    def tiled_forward(x: torch.Tensor) -> torch.Tensor:  # x: [B, s, H] (rows: [..., D])
+        if rows and not _rows_independent(original, x):
+            return original(x)
+        tokens = x.numel() // max(1, hidden_size) if rows else x.shape[-2]
+        tiles = tile_count(setting, _agreed_shard_len(tokens, context), hidden_size or x.shape[-1])
+        shape = x.shape
+        if rows:
+            x = x.reshape(-1, shape[-1])  # [N, D]
         if torch.is_grad_enabled() and not x.requires_grad and any(p.requires_grad for p in params):
             # an input without a gradient (the first norm after frozen embeddings): the weights are not inputs of
             # the node, so it joins the graph only through an input that asks for one
             x = x.detach().requires_grad_()
-        return TiledMLP.apply(original, x, tiles, params)
+        out = TiledMLP.apply(original, x, tiles, params)
+        return out.view(*shape[:-1], out.shape[-1]) if rows else out
 
     mlp.forward = tiled_forward  # type: ignore[method-assign]
+
+
+_ROWS_VERDICTS: dict[tuple, bool] = {}
+
+
+def _rows_independent(original: Any, x: torch.Tensor) -> bool:
+    """Whether ``original`` (a bound forward) gives, on the rows of a few positions of ``x`` seen as ``[N, D]``,
+    bit for bit what it gives on them in ``x``'s layout; once per module class, dtype and layout."""
+    key = (type(getattr(original, "__self__", None)), x.dtype, x.dim(), x.shape[-1], x.device.type)
+    verdict = _ROWS_VERDICTS.get(key)
+    if verdict is None:
+        if x.device.type == "meta" or x.dim() < 2:
+            return x.device.type == "meta"  # (the planner's trace: shapes only, as the strategy's run decides)
+        with torch.no_grad():
+            sample = x.detach().narrow(1, 0, min(3, x.shape[1])).contiguous()  # [B, ≤3, ...]
+            whole = original(sample)
+            by_rows = original(sample.reshape(-1, sample.shape[-1]))
+        verdict = by_rows.shape[0] == whole.numel() // whole.shape[-1] and \
+            torch.equal(by_rows.reshape(whole.shape), whole)
+        _ROWS_VERDICTS[key] = verdict
+    return verdict
 
 
 class TiledMLP(torch.autograd.Function):
