@@ -355,12 +355,12 @@ def test_offloaded_attention_on_cuda_keeps_the_allocator_reserve_small_over_laye
 
 @ONE_GPU
 def test_layer_checkpoint_on_cuda_moves_the_recompute_to_the_host(record_property):
-    """``offload_attention``'s layer checkpoint on CUDA (models/layer_checkpoint.py): the recompute's saved tensors
+    """``offload_attention``'s layer checkpoint on CUDA (offload/layer_checkpoint.py): the recompute's saved tensors
     and the incoming gradient wait in pinned host memory, the recomputed layer's input and output storages are freed,
     the rotary embedding runs in tiles. A 4-layer bf16 Llama (hidden 1024, 16 heads of 64, 4 KV heads, SDPA) at 32K
     tokens with the tiled MLP and offloaded checkpoints: loss and gradients equal torch's checkpoint with the same
     switches (within bf16 rounding), and the step's allocated peak is lower. CPU path:
-    tests/models/test_layer_checkpoint.py."""
+    tests/offload/test_layer_checkpoint.py."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lightning_ulysses.models import memory

@@ -160,11 +160,11 @@ def trained():
 
 
 # With the ALST switches (the combination the longest sequence is planned for): the decoder layers run through the
-# strategy's own checkpoint (models/layer_checkpoint.py: no graph in the first forward, the recompute's saved tensors
-# in host memory on CUDA) and the rotary embedding in tiles of positions (models/rotary_tiles.py), here 6 positions a
+# strategy's own checkpoint (offload/layer_checkpoint.py: no graph in the first forward, the recompute's saved tensors
+# in host memory on CUDA) and the rotary embedding in tiles of positions (offload/rotary_tiles.py), here 6 positions a
 # tile (a query position is 4 heads of 16 float32: 256 bytes) so that the 16-position shards are cut unevenly.
 WITH_ALST = {"llama": ("zero3", "packed"), "mistral": ("zero3", "packed")}  # a hybrid's layers: in process
-# (tests/models/test_layer_checkpoint.py); ZeRO 2 with this switch alone above
+# (tests/offload/test_layer_checkpoint.py); ZeRO 2 with this switch alone above
 ALST_SWITCHES = {"offload_attention": CHUNK, "tiled_mlp": 3, "offload_checkpoints": True}
 
 
@@ -202,7 +202,7 @@ def test_training_with_offloaded_attention_and_the_alst_switches_is_one_devices(
           f" {got.get('update_diff', float('nan')):.1e}, attention inputs released {released}")
     assert got["outcome"] == sweep.EXACT, got
     # each layer's first forward (no graph) gave back its q, k, v and the v projection's output that v views
-    # (models/unread_arguments.py): 2 layers x 4 a forward; with the host emulated, each layer's recompute too (on a
+    # (offload/unread_arguments.py): 2 layers x 4 a forward; with the host emulated, each layer's recompute too (on a
     # CPU nothing saved moves: it keeps them)
     assert all(count >= 2 * 4 * sweep.STEPS for count in released), released
     if setting.endswith("host"):

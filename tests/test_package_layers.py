@@ -17,7 +17,7 @@ LAYERS = [
     {"data"},
     {"training"},
     {"families"},
-    {"models"},
+    {"models", "offload"},  # the layer checkpoint (offload) and the memory switches (models) use each other
     {"checkpoint", "evaluation", "profiling", "plan"},
     {"drift"},
     {"front_end", "config"},

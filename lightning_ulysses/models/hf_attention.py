@@ -36,7 +36,7 @@ from lightning_ulysses.parallel.layout import group_rank, group_size
 from lightning_ulysses.parallel.sinks import sink_attention
 from lightning_ulysses.parallel.image_blocks import (IMAGE_BLOCKS_KWARG, ImageBlocks, attend_image_blocks,
                                                  refuse_unsupported_image_blocks)
-from lightning_ulysses.models.unread_arguments import release_unread_arguments
+from lightning_ulysses.offload.unread_arguments import release_unread_arguments
 from lightning_ulysses.parallel.offload_attention import chunked_ulysses_attention, offloaded_attention
 from lightning_ulysses.parallel.ring import causal_window_mask, document_ids, ring_attention
 from lightning_ulysses.patches import on_instance

@@ -15,7 +15,7 @@
 * **Checkpoint offload**: decoder layers run under activation checkpointing (``use_reentrant=False``) and the tensors
   autograd keeps (the layer inputs) move to host memory until backward (tensors already on the host stay put). With
   ``ulysses_offload`` (the strategy's ``offload_attention``) the layers run again in backward through
-  :mod:`lightning_ulysses.models.layer_checkpoint`, whose recompute keeps its saved tensors in host memory as well.
+  :mod:`lightning_ulysses.offload.layer_checkpoint`, whose recompute keeps its saved tensors in host memory as well.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ulysses import _compat
-from lightning_ulysses.models import layer_checkpoint
+from lightning_ulysses.offload import layer_checkpoint
 from lightning_ulysses.models.rng_replay import replayed_rng, rng_states
 from lightning_ulysses.patches import held_on_instance, on_instance, put_on_instance, take_from_instance
 from lightning_ulysses.training import loss_graph
@@ -182,7 +182,7 @@ def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepCon
         return
     saved: dict[str, Any] = {"mlps": [], "forward": None, "checkpointing": False, "rotary": []}
     if features.ulysses_offload:
-        from lightning_ulysses.models import rotary_tiles
+        from lightning_ulysses.offload import rotary_tiles
 
         saved["rotary"] = rotary_tiles.install(model)
     if features.tiled_mlp:  # each decoder layer's per-token modules: its MLP and its norms
@@ -211,7 +211,7 @@ def disable(model: nn.Module) -> None:
     for mlp in saved["mlps"]:
         take_from_instance(mlp, "forward", None)
     if saved.get("rotary"):
-        from lightning_ulysses.models import rotary_tiles
+        from lightning_ulysses.offload import rotary_tiles
 
         rotary_tiles.uninstall(saved["rotary"])
     if held_on_instance(model, "forward"):

@@ -457,7 +457,7 @@ class _ChunkedUlysses(torch.autograd.Function):
 
 def _backward_follows(*tensors: torch.Tensor) -> bool:
     """Whether a backward pass will need what the forward stores: not in a forward without a graph (evaluation, or
-    the first forward of a layer that :mod:`lightning_ulysses.models.layer_checkpoint` runs again in backward)."""
+    the first forward of a layer that :mod:`lightning_ulysses.offload.layer_checkpoint` runs again in backward)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 

@@ -125,7 +125,7 @@ def _offload_shape_attention(module: Any, query: torch.Tensor, key: torch.Tensor
     """``offload_attention`` as the strategy runs it, on the meta device: the exchange (shapes), the strategy's own
     chunked attention (:mod:`lightning_ulysses.parallel.offload_attention`) with its chunk store as on CUDA (each
     chunk leaves the device when stored and comes back as a new tensor), the exchange back."""
-    from lightning_ulysses.models.unread_arguments import release_unread_arguments
+    from lightning_ulysses.offload.unread_arguments import release_unread_arguments
     from lightning_ulysses.parallel.exchange import is_even_split
     from lightning_ulysses.parallel.offload_attention import chunked_ulysses_attention, offloaded_attention
 
@@ -606,10 +606,11 @@ class TracedStep:
 @contextlib.contextmanager
 def _offload_shapes(host: list[int]) -> Iterator[None]:
     """The strategy's checkpoint offload (:func:`lightning_ulysses.models.memory._offload_to_host`, and with
-    ``offload_attention`` the recompute's :func:`lightning_ulysses.models.layer_checkpoint.host_saved_tensors`) as it
+    ``offload_attention`` the recompute's :func:`lightning_ulysses.offload.layer_checkpoint.host_saved_tensors`) as it
     behaves on an accelerator, shapes only: a saved tensor leaves the device when saved and comes back as a new tensor
     in backward; ``host`` gets the host bytes they held at most."""
-    from lightning_ulysses.models import layer_checkpoint, memory
+    from lightning_ulysses.models import memory
+    from lightning_ulysses.offload import layer_checkpoint
 
     live = [0]
 

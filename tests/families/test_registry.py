@@ -22,7 +22,7 @@ REGISTRY = PACKAGE / "families"
 # transformers' (and torch's, Lightning's) generic API: names of no family.
 GENERIC_NAMES = {"PreTrainedModel", "PretrainedConfig", "PreTrainedConfig", "GenerationMixin", "AutoConfig",
                  "AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoModelForImageTextToText",
-                 "AttentionInterface",
+                 "AttentionInterface", "Cache",
                  "DataCollatorWithFlattening", "Trainer", "DistributedSampler"}
 
 

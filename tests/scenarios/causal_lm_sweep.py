@@ -111,18 +111,18 @@ def _save(folder: Path, model_type: str, result: dict) -> None:
 def run(payload: dict) -> dict:
     """``payload["setting"]`` (one setting, results by model type) or ``payload["settings"]`` (several, results by
     ``"<model type>@<setting>"``: the suite's sample, every setting in one launch)."""
-    from lightning_ulysses.models import unread_arguments
+    from lightning_ulysses.offload import unread_arguments
 
     rank = os.environ.get("RANK", "0")
     if payload.get("rotary_tile_bytes"):  # the rotary tiles of offload_attention at the sweep's tiny shapes
-        from lightning_ulysses.models import rotary_tiles
+        from lightning_ulysses.offload import rotary_tiles
 
         rotary_tiles.TILE_BYTES = int(payload["rotary_tile_bytes"])
     if payload.get("emulate_host"):  # a GPU's host copies on this CPU: the CUDA paths of the ALST + offload switches
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
         import host_emulation
 
-        from lightning_ulysses.models import layer_checkpoint
+        from lightning_ulysses.offload import layer_checkpoint
 
         host_emulation.checkpoints_on_a_host()
         host_emulation.attention_chunks_on_a_host()

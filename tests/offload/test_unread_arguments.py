@@ -1,8 +1,8 @@
-"""models/unread_arguments.py: which of the caller's variables its bytecode never reads again after the call in
+"""offload/unread_arguments.py: which of the caller's variables its bytecode never reads again after the call in
 progress, and the release of the attention's inputs that only those variables hold. In process; the release inside
 launched training (every layer's q, k, v given back, losses and updates those of one device) is asserted in
 tests/test_offload_attention.py (`..._and_the_alst_switches_...`), the memory it frees in the planner's trace in
-tests/models/test_layer_checkpoint.py."""
+tests/offload/test_layer_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lightning_ulysses.models import unread_arguments
-from lightning_ulysses.models.unread_arguments import release_unread_arguments
+from lightning_ulysses.offload import unread_arguments
+from lightning_ulysses.offload.unread_arguments import release_unread_arguments
 
 
 def _attention(q, k, v, seen=None):

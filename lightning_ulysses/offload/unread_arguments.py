@@ -60,7 +60,7 @@ RELEASED = [0]  # tensors released in this process so far (what tests and benchm
 def saved_tensors_leave_the_device(min_bytes: Optional[int]) -> Iterator[None]:
     """While in it, what autograd saves of a storage of ``min_bytes`` or more is a copy (in host memory, or a small
     view's clone: the strategy's layer checkpoint's recompute,
-    :func:`lightning_ulysses.models.layer_checkpoint.host_saved_tensors`), never the device tensor itself; ``None``:
+    :func:`lightning_ulysses.offload.layer_checkpoint.host_saved_tensors`), never the device tensor itself; ``None``:
     not so (nothing moves, as on a CPU)."""
     if min_bytes is None:
         yield

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_ulysses import _compat
 from lightning_ulysses.models.rng_replay import replayed_rng, rng_states
-from lightning_ulysses.models.unread_arguments import saved_tensors_leave_the_device
+from lightning_ulysses.offload.unread_arguments import saved_tensors_leave_the_device
 from lightning_ulysses.parallel import offload_attention
 from lightning_ulysses.training import loss_graph
 

@@ -1,4 +1,4 @@
-"""Ulysses-Offload's layer checkpoint and rotary tiles (models/layer_checkpoint.py, models/rotary_tiles.py), in
+"""Ulysses-Offload's layer checkpoint and rotary tiles (offload/layer_checkpoint.py, offload/rotary_tiles.py), in
 process on CPU: the same loss and gradients as the model without them, what each keeps, and the memory the planner's
 trace (the CUDA behaviour, shapes only) gives them. The launched exactness against one device at ZeRO 2/3 and packed
 rows: tests/test_offload_attention.py (`..._and_the_alst_switches_...`); the CUDA path: tests/test_cuda.py."""
@@ -15,7 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama import modeling_llama
 
 from lightning_ulysses import _compat
-from lightning_ulysses.models import layer_checkpoint, memory, rotary_tiles
+from lightning_ulysses.models import memory
+from lightning_ulysses.offload import layer_checkpoint, rotary_tiles
 from lightning_ulysses.parallel import offload_attention
 from lightning_ulysses.plan import activations
 
@@ -249,7 +250,7 @@ def test_the_planned_step_and_host_memory_with_offload_attention_and_the_alst_sw
     activations); with ``offload_attention`` the step peaks in a layer's forward at 6.4, at the rotary embedding
     (the embeddings HF keeps, the layer's input, the norm's output, the projected and the rotated queries and keys,
     the values, the cos/sin tables): the attention's q, k and v are given back after the attention call (the
-    attention module never reads them again: models/unread_arguments.py; before, 6.6 at the output projection),
+    attention module never reads them again: offload/unread_arguments.py; before, 6.6 at the output projection),
     and the layer's output gradient is not held while its backward runs; the host holds each layer's checkpoint
     plus one layer's store and saved tensors, not every layer's store (before: every layer's, three times the
     checkpoints)."""
