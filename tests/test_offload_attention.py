@@ -163,7 +163,8 @@ def trained():
 # strategy's own checkpoint (offload/layer_checkpoint.py: no graph in the first forward, the recompute's saved tensors
 # in host memory on CUDA) and the rotary embedding in tiles of positions (offload/rotary_tiles.py), here 6 positions a
 # tile (a query position is 4 heads of 16 float32: 256 bytes) so that the 16-position shards are cut unevenly.
-WITH_ALST = {"llama": ("zero3", "packed"), "mistral": ("zero3", "packed")}  # a hybrid's layers: in process
+WITH_ALST = {"llama": ("zero3", "packed"), "mistral": ("zero3", "packed"),
+             "qwen3": ("zero3",)}  # (Qwen3: its q/k norms tiled with the MLP) a hybrid's layers: in process
 # (tests/offload/test_layer_checkpoint.py); ZeRO 2 with this switch alone above
 ALST_SWITCHES = {"offload_attention": CHUNK, "tiled_mlp": 3, "offload_checkpoints": True}
 
