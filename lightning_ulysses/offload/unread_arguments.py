@@ -18,10 +18,11 @@ them): whether the caller does is read from the caller's own bytecode, not assum
   evaluation), or it is inside :func:`saved_tensors_leave_the_device` and its storage is large enough that what
   autograd saves of it is a copy (a layer checkpoint's recompute on CUDA: a megabyte or more goes to host memory;
   autograd holding the tensor itself would read the NaN below in backward, silently);
-- every local variable of the calling function that holds it is dead after the call in progress: on no path from
-  the call (exception handlers included) is it read before being assigned again; a variable that a closure captures,
-  or code that can read its frame's variables by name (``locals()``, ``vars()``, ``eval``, ``exec``, frame access),
-  counts as read;
+- every local variable of the calling function that holds it (or holds a tuple, list or dict holding it) is dead
+  after the call in progress: on no path from the call (exception handlers included) is it read before being
+  assigned again; a variable that a closure captures, or code that can read its frame's variables by name
+  (``locals()``, ``vars()``, ``eval``, ``exec``, frame access), counts as read; none of them is a parameter of the
+  calling function (what was passed in, its own caller holds too);
 - no cache object (``transformers``' ``Cache``) is among the caller's variables, and the calling module does not keep
   it as an attribute: nothing else in Python that is known to store it.
 
@@ -36,6 +37,7 @@ import bisect
 import contextlib
 import dis
 import functools
+import inspect
 import sys
 import types
 from typing import Any, Iterator, Optional, Sequence
@@ -87,8 +89,13 @@ def release_unread_arguments(caller: Optional[types.FrameType], tensors: Sequenc
         return 0
     module_values = list(vars(module).values()) if module is not None and hasattr(module, "__dict__") else []
 
+    parameters = _parameter_names(caller.f_code)
+
     def unread(tensor: torch.Tensor) -> bool:
-        names = {name for name, value in variables.items() if value is tensor}  # `is`: both alive, held here
+        # the variables holding it, or a tuple, list or dict holding it (`is`: both alive, held here)
+        names = {name for name, value in variables.items() if value is tensor or _holds(value, tensor)}
+        if names & parameters:
+            return False  # passed in: the calling function's own caller holds it too, and is not read here
         if names and not names <= dead_after_current_call(caller, names):
             return False
         if any(value is tensor for value in module_values):
@@ -116,10 +123,27 @@ def _caller_variables(caller: types.FrameType) -> Optional[dict[str, Any]]:
     """The caller's variables by name; ``None`` when a cache (``transformers``' ``Cache``) is among them."""
     from transformers.cache_utils import Cache
 
-    variables = dict(caller.f_locals)  # a copy: on Python < 3.13 the frame's snapshot dict, on 3.13+ a proxy
+    snapshot = caller.f_locals  # Python < 3.13: a dict kept on the frame, holding what it holds now; 3.13+: a proxy
+    variables = dict(snapshot)
+    if isinstance(snapshot, dict):
+        snapshot.clear()  # so that it keeps no value the function later replaces (refilled from the frame when read)
     if any(isinstance(value, Cache) for value in variables.values()):
         return None
     return variables
+
+
+def _parameter_names(code: types.CodeType) -> set[str]:
+    count = code.co_argcount + code.co_kwonlyargcount
+    count += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    return set(code.co_varnames[:count])
+
+
+def _holds(value: Any, tensor: torch.Tensor) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(item is tensor for item in value)
+    if isinstance(value, dict):
+        return any(item is tensor for item in value.values())
+    return False
 
 
 def _swap_for_poison(tensor: torch.Tensor) -> None:

@@ -16,12 +16,15 @@ from lightning_ulysses.offload import unread_arguments
 from lightning_ulysses.offload.unread_arguments import release_unread_arguments
 
 
-def _attention(q, k, v, seen=None):
-    """Stands for the strategy's attention: answers from its inputs, then releases what the caller never reads."""
+def _attention(q, k, v, seen=None, keep=None):
+    """Stands for the strategy's attention: answers from its inputs, then releases what the caller never reads
+    (``keep``: where this test looks at them afterwards)."""
     out = q + k + v.transpose(0, 1).reshape(q.shape)
     released = release_unread_arguments(sys._getframe(1), (q, k, v))
     if seen is not None:
         seen.append(released)
+    if keep is not None:
+        keep.extend((q, k, v))
     return out
 
 
@@ -108,21 +111,52 @@ def test_only_what_the_caller_never_reads_again_is_released(function, released):
 
 def test_a_released_tensor_keeps_its_shape_gives_its_bytes_back_and_reads_nan():
     x = torch.randn(256, 1024)
+    kept: list[torch.Tensor] = []
 
-    def caller(q):
-        return _attention(q, x * 3, x * 4)  # q is dead here after the call
+    def caller():
+        query_states = x * 2
+        old.append(query_states.untyped_storage())
+        return _attention(query_states, x * 3, x * 4, keep=kept)  # query_states is dead after the call
 
+    old: list = []
+    before = unread_arguments.RELEASED[0]
     with torch.no_grad():
-        q = x * 2
-        old = q.untyped_storage()
-        before = unread_arguments.RELEASED[0]
-        caller(q)  # this frame still names q, but only the caller's frame is asked: a test's way to look inside
+        caller()
+    q = kept[0]
     assert unread_arguments.RELEASED[0] - before == 3
     assert q.shape == (256, 1024) and q.untyped_storage().nbytes() == q.element_size()  # one NaN element
-    assert old.nbytes() == 256 * 1024 * 4  # the old storage lives on only through this test's name for it
+    assert old[0].nbytes() == 256 * 1024 * 4  # the old storage lives on only through this test's name for it
     assert torch.isnan(q).all()
     with pytest.raises(RuntimeError):
         q.add_(1.0)  # zero strides: a write fails
+
+
+def _helper(query_states, key_states, seen):  # receives q and k: its own caller holds them too
+    return _attention(query_states, key_states, key_states * 2, seen)
+
+
+def _passes_to_a_helper(x, seen):
+    query_states, key_states = x * 2, x * 3
+    out = _helper(query_states, key_states, seen)
+    return out + query_states  # read here, in the helper's caller
+
+
+def _takes_from_a_container(pair, seen):
+    query_states = pair[0]  # the caller's caller holds the pair
+    return _attention(query_states, pair[1], pair[1] * 2, seen)
+
+
+def test_what_the_calling_function_was_given_is_kept():
+    x = torch.randn(4, 1024)
+    reference = _passes_to_a_helper(x, None)
+    seen: list[int] = []
+    with torch.no_grad():
+        got = _passes_to_a_helper(x, seen)
+        pair = (x * 2, x * 3)
+        _takes_from_a_container(pair, seen)
+    assert seen == [1, 1], seen  # only the temporaries made in the call (key_states * 2)
+    torch.testing.assert_close(got, reference, rtol=0, atol=0)
+    assert not torch.isnan(pair[0]).any() and not torch.isnan(pair[1]).any()
 
 
 def test_nothing_is_released_while_a_graph_is_recorded_unless_saved_tensors_leave_the_device():
