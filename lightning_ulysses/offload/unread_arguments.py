@@ -8,9 +8,12 @@ A Hugging Face attention module keeps its rotated queries, keys and values as lo
     return attn_output, attn_weights
 
 With ``offload_attention`` the strategy's attention has copied what it needs of them into its chunk store, so those
-locals hold 1.5 ``[s, H]`` (Llama-3.1-8B's GQA shape) of dead bytes at the moment the layer's forward peaks (the output
-projection). Other models read them after the call (Diff-Llama splits its output by them, several vision towers reuse
-them): whether the caller does is read from the caller's own bytecode, not assumed.
+locals hold 1.5 ``[s, H]`` (Llama-3.1-8B's GQA shape) of dead bytes at what was the layer's largest moment (the output
+projection). Other models read them after the call (Diff-Llama calls the attention twice with the same queries and
+reads them after; a helper may get them from its own caller): whether the caller does is read from the caller's own
+bytecode, not assumed. A released view's base (the projection output that ``value_states`` reshapes, a fused q/k/v
+projection) is released too once no other tensor views it and it passes the same checks. The bytecode reading is
+checked once per process on probes with known answers (:func:`reading_verified`): where it errs, nothing is released.
 
 :func:`release_unread_arguments` frees an argument tensor's bytes only when all of these hold:
 
