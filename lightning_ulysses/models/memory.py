@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -250,14 +251,16 @@ def _tile_mlp(mlp: nn.Module, setting: TileSetting, hidden_size: int, context: O
     mlp.forward = tiled_forward  # type: ignore[method-assign]
 
 
-_ROWS_VERDICTS: dict[tuple, bool] = {}
+# module -> {(dtype, dims, last dim, device type): whether it gives the same bits on rows}
+_ROWS_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, bool]]" = weakref.WeakKeyDictionary()
 
 
 def _rows_independent(original: Any, x: torch.Tensor) -> bool:
-    """Whether ``original`` (a bound forward) gives, on the rows of a few positions of ``x`` seen as ``[N, D]``,
-    bit for bit what it gives on them in ``x``'s layout; once per module class, dtype and layout."""
-    key = (type(getattr(original, "__self__", None)), x.dtype, x.dim(), x.shape[-1], x.device.type)
-    verdict = _ROWS_VERDICTS.get(key)
+    """Whether ``original`` (a module's bound forward) gives, on the rows of a few positions of ``x`` seen as ``[N,
+    D]``, bit for bit what it gives on them in ``x``'s layout; once per module, dtype and layout."""
+    verdicts = _ROWS_VERDICTS.setdefault(original.__self__, {})
+    key = (x.dtype, x.dim(), x.shape[-1], x.device.type)
+    verdict = verdicts.get(key)
     if verdict is None:
         if x.device.type == "meta" or x.dim() < 2:
             return x.device.type == "meta"  # (the planner's trace: shapes only, as the strategy's run decides)
@@ -267,7 +270,7 @@ def _rows_independent(original: Any, x: torch.Tensor) -> bool:
             by_rows = original(sample.reshape(-1, sample.shape[-1]))
         verdict = by_rows.shape[0] == whole.numel() // whole.shape[-1] and \
             torch.equal(by_rows.reshape(whole.shape), whole)
-        _ROWS_VERDICTS[key] = verdict
+        verdicts[key] = verdict
     return verdict
 
 

@@ -93,33 +93,55 @@ def release_unread_arguments(caller: Optional[types.FrameType], tensors: Sequenc
     module_values = list(vars(module).values()) if module is not None and hasattr(module, "__dict__") else []
 
     parameters = _parameter_names(caller.f_code)
-
-    def unread(tensor: torch.Tensor) -> bool:
-        # the variables holding it, or a tuple, list or dict holding it (`is`: both alive, held here)
-        names = {name for name, value in variables.items() if value is tensor or _holds(value, tensor)}
-        if names & parameters:
-            return False  # passed in: the calling function's own caller holds it too, and is not read here
-        if names and not names <= dead_after_current_call(caller, names):
-            return False
-        if any(value is tensor for value in module_values):
-            return False
-        # in a recompute, autograd may hold a small tensor itself for backward (small ones stay on the device)
-        return not recording or tensor.untyped_storage().nbytes() >= _HOST_SAVING[-1]
-
-    released = [tensor for tensor in tensors if unread(tensor)]
-    bases: list[torch.Tensor] = []
-    for tensor in released:
+    candidates: list[torch.Tensor] = []  # what a variable holds is recognised by a mark set here, not by identity
+    for tensor in tensors:
+        if getattr(tensor, _MARK, None) is None:
+            setattr(tensor, _MARK, len(candidates))
+            candidates.append(tensor)
+    arguments = len(candidates)
+    for tensor in candidates[:arguments]:  # a view's bytes are its base's
         base = tensor._base
-        if base is not None and not any(base is known for known in bases):
-            bases.append(base)
-    for tensor in released:
-        _swap_for_poison(tensor)
-    for base in bases:  # once its views here are released: no other tensor may still view its bytes
-        if _compat.storage_use_count(base) == _compat.LONE_STORAGE_USE_COUNT and unread(base):
-            _swap_for_poison(base)
-            released.append(base)
+        if base is not None and getattr(base, _MARK, None) is None:
+            setattr(base, _MARK, len(candidates))
+            candidates.append(base)
+    try:
+        bases = candidates[arguments:]
+        released = [tensor for tensor in candidates[:arguments]
+                    if _unread(tensor, variables, parameters, caller, module_values, recording)]
+        for tensor in released:
+            _swap_for_poison(tensor)
+        for base in bases:  # once its views here are released: no other tensor may still view its bytes
+            if _compat.storage_use_count(base) == _compat.LONE_STORAGE_USE_COUNT and \
+                    _unread(base, variables, parameters, caller, module_values, recording):
+                _swap_for_poison(base)
+                released.append(base)
+    finally:
+        for tensor in candidates:
+            delattr(tensor, _MARK)
     RELEASED[0] += len(released)
     return len(released)
+
+
+_MARK = "_ulysses_release_candidate"  # set on the candidates while the caller's variables are searched
+
+
+def _unread(tensor: torch.Tensor, variables: dict[str, Any], parameters: set[str], caller: types.FrameType,
+            module_values: list[Any], recording: bool) -> bool:
+    mark = getattr(tensor, _MARK)
+    # the variables holding it, or a tuple, list or dict holding it
+    names = {name for name, value in variables.items() if _marked(value, mark) or _holds(value, mark)}
+    if names & parameters:
+        return False  # passed in: the calling function's own caller holds it too, and is not read here
+    if names and not names <= dead_after_current_call(caller, names):
+        return False
+    if any(_marked(value, mark) for value in module_values):
+        return False
+    # in a recompute, autograd may hold a small tensor itself for backward (small ones stay on the device)
+    return not recording or tensor.untyped_storage().nbytes() >= _HOST_SAVING[-1]
+
+
+def _marked(value: Any, mark: int) -> bool:
+    return isinstance(value, torch.Tensor) and getattr(value, _MARK, None) == mark
 
 
 def _caller_variables(caller: types.FrameType) -> Optional[dict[str, Any]]:
@@ -141,11 +163,11 @@ def _parameter_names(code: types.CodeType) -> set[str]:
     return set(code.co_varnames[:count])
 
 
-def _holds(value: Any, tensor: torch.Tensor) -> bool:
+def _holds(value: Any, mark: int) -> bool:
     if isinstance(value, (tuple, list)):
-        return any(item is tensor for item in value)
+        return any(_marked(item, mark) for item in value)
     if isinstance(value, dict):
-        return any(item is tensor for item in value.values())
+        return any(_marked(item, mark) for item in value.values())
     return False
 
 

@@ -106,7 +106,7 @@ def test_a_norm_that_is_not_the_same_on_rows_runs_whole():
     expected = module(x)
     memory._tile_mlp(module, 4, 16, None, rows=True)
     torch.testing.assert_close(module(x), expected, rtol=0, atol=0)
-    assert memory._ROWS_VERDICTS[(OverPositions, torch.float32, 4, 8, "cpu")] is False
+    assert memory._ROWS_VERDICTS[module][(torch.float32, 4, 8, "cpu")] is False
 
 
 def assert_same_gradients(tiled: list[torch.Tensor], plain: list[torch.Tensor], dtype: torch.dtype,
