@@ -15,11 +15,11 @@ COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
               vocab_size=128)
 
 
-def _norm_names(model_type: str, **sizes) -> list[str]:
+def _norm_names(model_type: str, finder=memory._decoder_norms, **sizes) -> list[str]:
     config = AutoConfig.for_model(model_type, **COMMON, **sizes)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    norms = memory._decoder_norms(model)
+    norms = finder(model)
     return [name for name, module in model.named_modules() if any(module is n for n in norms)]
 
 
@@ -35,11 +35,7 @@ def test_the_norms_of_each_layer_and_the_final_norm_are_tiled():
 
 
 def _attention_norm_names(model_type: str, **sizes) -> list[str]:
-    config = AutoConfig.for_model(model_type, **COMMON, **sizes)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    norms = memory._attention_norms(model)
-    return [name for name, module in model.named_modules() if any(module is n for n in norms)]
+    return _norm_names(model_type, memory._attention_norms, **sizes)
 
 
 def test_the_query_and_key_norms_inside_attention_are_found():
