@@ -37,6 +37,7 @@ torch's ``nn.Module`` hook registries: :func:`hook_is_registered`.
 from __future__ import annotations
 
 import argparse
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -84,6 +85,60 @@ def remove_module_hooks(model: torch.nn.Module) -> None:
     from lightning.pytorch.strategies.deepspeed import remove_module_hooks as lightning_remove_module_hooks
 
     lightning_remove_module_hooks(model)
+
+
+# The hook registries Lightning's remove_module_hooks empties (each an OrderedDict of hook id -> hook).
+_HOOK_REGISTRIES = ("_backward_hooks", "_forward_hooks", "_forward_pre_hooks", "_state_dict_hooks",
+                    "_load_state_dict_pre_hooks")
+# Hooks of these packages are not the user's: DeepSpeed's (a previous engine's ZeRO-3 gathering, which Lightning's
+# clean-up exists to remove) and the strategy's own (installed again by the strategy itself).
+_NOT_USER_HOOKS = ("deepspeed", "lightning_ulysses")
+
+
+def _hook_package(hook: Any) -> str:
+    function = getattr(hook, "func", hook)  # a functools.partial
+    function = getattr(function, "__func__", function)  # a bound method
+    return (getattr(function, "__module__", None) or type(function).__module__ or "").partition(".")[0]
+
+
+def user_module_hooks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, dict[int, Any], Any]]:
+    """Every module's hooks that are neither DeepSpeed's nor the strategy's (a user's forward hooks that keep
+    activations, a monitor's): ``(module, registry, {id: hook}, full-backward flag)``, for :func:`restore_user_hooks`
+    after Lightning's :func:`remove_module_hooks`, which drops them all (on one device they stay and fire)."""
+    kept = []
+    for module in model.modules():
+        for registry in _HOOK_REGISTRIES:
+            hooks = {key: hook for key, hook in getattr(module, registry, {}).items()
+                     if _hook_package(hook) not in _NOT_USER_HOOKS}
+            if hooks:
+                kept.append((module, registry, hooks, getattr(module, "_is_full_backward_hook", None)))
+    return kept
+
+
+@contextmanager
+def user_hooks_silenced(roots: list[torch.nn.Module]) -> Iterator[None]:
+    """Inside the block, the users' hooks (:func:`user_module_hooks`) of every module of ``roots`` do not run: the
+    strategy's own probe of the model (its form check) is not one of the user's forwards, and a hook that keeps
+    outputs or counts calls must see only those. Put back afterwards under their ids, in their order."""
+    kept = [entry for root in roots for entry in user_module_hooks(root)]
+    for module, registry, hooks, _ in kept:
+        setattr(module, registry, OrderedDict((key, hook) for key, hook in getattr(module, registry).items()
+                                              if key not in hooks))
+    try:
+        yield
+    finally:
+        restore_user_hooks(kept)
+
+
+def restore_user_hooks(kept: list[tuple[torch.nn.Module, str, dict[int, Any], Any]]) -> None:
+    """Put :func:`user_module_hooks`' hooks back under their ids, in the order of their ids (the order they were
+    registered in, before any registered since)."""
+    for module, registry, hooks, full_backward in kept:
+        merged = dict(getattr(module, registry))
+        merged.update(hooks)
+        setattr(module, registry, OrderedDict(sorted(merged.items())))
+        if registry == "_backward_hooks":
+            module._is_full_backward_hook = full_backward
 
 
 BATCH_PROGRESS_KEY = "epoch_loop.batch_progress"  # the train epoch's batch progress in checkpoint["loops"]["fit_loop"]
@@ -156,7 +211,9 @@ def initialize_inference_engine(strategy: Any, model: torch.nn.Module, mpu: Any,
         inference_config["zero_allow_untested_optimizer"] = config["zero_allow_untested_optimizer"]
         inference_config["zero_optimization"] = config["zero_optimization"]
     if after_hooks_removed is not None:
+        users_hooks = user_module_hooks(model)
         remove_module_hooks(model)
+        restore_user_hooks(users_hooks)  # a user's hooks fire in validate/test/predict as on one device
         after_hooks_removed()
     engine, _, _, _ = deepspeed.initialize(
         args=_deepspeed_args(strategy),

@@ -287,13 +287,14 @@ class ModuleStateSnapshot:
 
 @contextlib.contextmanager
 def quiet_and_repeatable(modules: list[nn.Module], device: torch.device) -> Iterator[ModuleStateSnapshot]:
-    """Eval mode (no dropout), no gradients; the random state and the modules' state (buffers, plain attributes)
-    restored afterwards, so the first real step computes what it would have computed without the probe. Yields the
-    snapshot, so that each run can start from it (``snapshot.restore()``)."""
+    """Eval mode (no dropout), no gradients, the users' hooks silent (the probe is not one of their forwards); the
+    random state and the modules' state (buffers, plain attributes) restored afterwards, so the first real step
+    computes what it would have computed without the probe. Yields the snapshot, so that each run can start from it
+    (``snapshot.restore()``)."""
     modes = [(m, m.training) for root in modules for m in root.modules()]
     snapshot = ModuleStateSnapshot(modules)
     devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), _compat.user_hooks_silenced(modules):
         for root in modules:
             root.eval()
         try:

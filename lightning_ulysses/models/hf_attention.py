@@ -19,7 +19,6 @@ Only such calls take the block path (:func:`~lightning_ulysses.parallel.image_bl
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -36,7 +35,6 @@ from lightning_ulysses.parallel.layout import group_rank, group_size
 from lightning_ulysses.parallel.sinks import sink_attention
 from lightning_ulysses.parallel.image_blocks import (IMAGE_BLOCKS_KWARG, ImageBlocks, attend_image_blocks,
                                                  refuse_unsupported_image_blocks)
-from lightning_ulysses.offload.unread_arguments import release_unread_arguments
 from lightning_ulysses.parallel.offload_attention import chunked_ulysses_attention, offloaded_attention
 from lightning_ulysses.parallel.ring import causal_window_mask, document_ids, ring_attention
 from lightning_ulysses.patches import on_instance
@@ -405,20 +403,14 @@ def _make_ulysses_attention(inner_name: str) -> Callable[..., tuple[torch.Tensor
 
         spec = AttentionSpec.declare(module, inner_name, query, value, attention_mask, kwargs, context)
         group = context.ulysses_group
-        arguments = (query, key, value)
         query = global_query_temperature(module, query, context.shard_info)
         if _exchanges_per_chunk(spec, query, key, value, group):  # offload_attention: FPDT's chunked exchange
-            out = _offloaded_per_chunk(spec, module, query, key, value, group, kwargs)  # [B, s, Hq, D]
-            # the chunk store holds what backward needs: the caller's q, k, v go where it never reads them again
-            release_unread_arguments(sys._getframe(1), arguments, module)
-            return out, None
+            return _offloaded_per_chunk(spec, module, query, key, value, group, kwargs), None  # [B, s, Hq, D]
         q, k, v = sequence_to_head_shards(query, key, value, group)  # [B, hq, S, D], [B, hkv, S, D] ×2
         inner = ALL_ATTENTION_FUNCTIONS[inner_name]
         view = _LocalHeadsView(module, q.shape[1] // k.shape[1])
         run = next(run for _, applies, run in ATTENTION_PATHS if applies(spec, q.shape[2]))
         out = run(spec, inner, view, q, k, v, kwargs, context)  # [B, S, hq, D] (ring: [B, S/R, hq, D])
-        if spec.offload_chunk is not None:  # exchanged whole, then chunked: the caller's q, k, v as above
-            release_unread_arguments(sys._getframe(1), arguments, module)
         if spec.image_blocks and spec.sinks is None:  # the image blocks' queries, over the keys their blocks see
             out = attend_image_blocks(_masked_attention(inner, view, kwargs), q, k, v, out, spec.image_blocks,
                                       spec.window)

@@ -181,11 +181,11 @@ def enable(model: nn.Module, features: MemoryFeatures, context: Optional[StepCon
     """Switch ``features`` on for the Hugging Face causal LM ``model`` (undo with :func:`disable`)."""
     if not features.any or held_on_instance(model, _MEMORY_STATE):
         return
-    saved: dict[str, Any] = {"mlps": [], "forward": None, "checkpointing": False, "rotary": []}
-    if features.ulysses_offload:
-        from lightning_ulysses.offload import rotary_tiles
+    saved: dict[str, Any] = {"mlps": [], "forward": None, "checkpointing": False, "owned_attention": []}
+    if features.ulysses_offload:  # the registered families' attention blocks run by the strategy itself
+        from lightning_ulysses.offload import attention_block
 
-        saved["rotary"] = rotary_tiles.install(model)
+        saved["owned_attention"] = attention_block.install(model)
     if features.tiled_mlp:  # each decoder layer's per-token modules: its MLP and its norms
         hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
         for module in _decoder_mlps(model) + _decoder_norms(model):
@@ -211,10 +211,10 @@ def disable(model: nn.Module) -> None:
         return
     for mlp in saved["mlps"]:
         take_from_instance(mlp, "forward", None)
-    if saved.get("rotary"):
-        from lightning_ulysses.offload import rotary_tiles
+    if saved.get("owned_attention"):
+        from lightning_ulysses.offload import attention_block
 
-        rotary_tiles.uninstall(saved["rotary"])
+        attention_block.uninstall(saved["owned_attention"])
     if held_on_instance(model, "forward"):
         del model.forward
     if saved["forward"] is not None:

@@ -34,7 +34,6 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_ulysses import _compat
 from lightning_ulysses.models.rng_replay import replayed_rng, rng_states
-from lightning_ulysses.offload.unread_arguments import saved_tensors_leave_the_device
 from lightning_ulysses.parallel import offload_attention
 from lightning_ulysses.training import loss_graph
 
@@ -131,8 +130,7 @@ class _RecomputedLayer(torch.autograd.Function):
         with torch.enable_grad(), replayed_rng(ctx.device, ctx.rng), contextlib.ExitStack() as stack:
             for kind, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-            with host_saved_tensors(ctx.device), saved_tensors_leave_the_device(
-                    HOST_MIN_BYTES if store.offloads else None):
+            with host_saved_tensors(ctx.device):
                 outputs = ctx.function(*_arguments(ctx.layout, inputs))
         outputs = (outputs,) if ctx.output_is_tensor else tuple(outputs)
         grads = _unpark(grads, parked, store)

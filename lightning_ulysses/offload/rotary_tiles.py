@@ -4,9 +4,10 @@ Hugging Face's attention modules apply rotary embeddings with their modeling mod
 cos, sin, ...)``: ``q * cos + rotate_half(q) * sin``, which holds three query-sized temporaries beside ``q`` at once
 (``[s, Hq·D]`` each). With ``offload_attention`` the attention itself no longer holds the whole shard, and that moment,
 in each checkpointed layer's recompute, becomes the step's largest (a Llama-3.1-8B at 1M tokens per rank: 7.6
-``[s, H]`` tensors, three of them the rotary's temporaries). Here the module's own function runs on tiles of positions
-written into one output, and its backward runs tile by tile the same way: one output per input, one tile's
-temporaries.
+``[s, H]`` tensors, three of them the rotary's temporaries). Here the modeling module's own function runs on tiles of
+positions written into one output, and its backward runs tile by tile the same way: one output per input, one tile's
+temporaries. The strategy's own attention block calls it (:mod:`lightning_ulysses.offload.attention_block`); the
+modeling module's function is not replaced.
 
 Nothing is assumed about the function beyond what is checked, once per function, dtype and layout, on a small random
 probe of the call's shapes (on CPU): tiles equal to the whole call to the bit; outputs of the inputs' shapes; and its
@@ -19,16 +20,13 @@ whose ``cos``/``sin`` need a gradient runs the module's function as it is.
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any, Callable, Optional
 
 import torch
-from torch import nn
 
 TILE_BYTES = 64 << 20  # one tile's query bytes at most
 FUNCTION_NAME = "apply_rotary_pos_emb"
 _PROBE_POSITIONS = 8
-_installed: dict[str, tuple[Callable, int]] = {}  # modeling module -> (its own function, models using the tiles)
 _verdicts: dict[tuple, bool] = {}
 
 
@@ -156,40 +154,13 @@ def _tiled(original: Callable) -> Callable:
     return rotary
 
 
-def _modeling_modules(model: nn.Module) -> list[str]:
-    """The modeling modules of ``model``'s modules that define ``apply_rotary_pos_emb`` as a function."""
-    found = []
-    for module in model.modules():
-        name = type(module).__module__
-        namespace = sys.modules.get(name)
-        if name not in found and callable(getattr(namespace, FUNCTION_NAME, None)):
-            found.append(name)
-    return found
+_tiled_forms: dict[Callable, Callable] = {}
 
 
-def install(model: nn.Module) -> list[str]:
-    """Tile the rotary embedding of ``model``'s modeling modules (each module's function replaced by the tiled form
-    while any model uses it); the modules, for :func:`uninstall`."""
-    names = _modeling_modules(model)
-    for name in names:
-        namespace = sys.modules[name]
-        if name in _installed:
-            original, users = _installed[name]
-            _installed[name] = (original, users + 1)
-            continue
-        original = getattr(namespace, FUNCTION_NAME)
-        setattr(namespace, FUNCTION_NAME, _tiled(original))
-        _installed[name] = (original, 1)
-    return names
-
-
-def uninstall(names: list[str]) -> None:
-    for name in names:
-        if name not in _installed:
-            continue
-        original, users = _installed[name]
-        if users > 1:
-            _installed[name] = (original, users - 1)
-            continue
-        setattr(sys.modules[name], FUNCTION_NAME, original)
-        del _installed[name]
+def tiled(original: Callable) -> Callable:
+    """``original`` (a modeling module's ``apply_rotary_pos_emb``) in tiles of positions, where the check allows; the
+    owned attention block (:mod:`lightning_ulysses.offload.attention_block`) calls it in place of the function. Nothing
+    is replaced in the modeling module."""
+    if original not in _tiled_forms:
+        _tiled_forms[original] = _tiled(original)
+    return _tiled_forms[original]

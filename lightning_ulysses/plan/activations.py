@@ -125,19 +125,14 @@ def _offload_shape_attention(module: Any, query: torch.Tensor, key: torch.Tensor
     """``offload_attention`` as the strategy runs it, on the meta device: the exchange (shapes), the strategy's own
     chunked attention (:mod:`lightning_ulysses.parallel.offload_attention`) with its chunk store as on CUDA (each
     chunk leaves the device when stored and comes back as a new tensor), the exchange back."""
-    from lightning_ulysses.offload.unread_arguments import release_unread_arguments
     from lightning_ulysses.parallel.exchange import is_even_split
     from lightning_ulysses.parallel.offload_attention import chunked_ulysses_attention, offloaded_attention
 
-    caller = sys._getframe(1)  # the model's attention module (a partial adds no Python frame)
     if sp > 1 and is_even_split(query.shape[1], key.shape[1], sp) and value.shape[-1] == query.shape[-1]:
         # the exchange per chunk, as the strategy runs it where the heads split evenly
-        out = chunked_ulysses_attention(module, query, key, value, None, chunk, None, kwargs).contiguous()
-        release_unread_arguments(caller, (query, key, value), module)  # as the strategy does
-        return out, None
+        return chunked_ulysses_attention(module, query, key, value, None, chunk, None, kwargs).contiguous(), None
     q, k, v = _ExchangeShapes.apply(query, key, value, sp) if sp > 1 else (query, key, value)  # [B, h/sp, S, D]
     out = offloaded_attention(module, q, k, v, chunk, None, kwargs)  # [B, S, hq/sp, D]
-    release_unread_arguments(caller, (query, key, value), module)
     if sp > 1:
         out = _ExchangeBackShapes.apply(out, sp)  # [B, s, Hq, D]
     return out.contiguous(), None

@@ -220,18 +220,10 @@ def test_a_rotary_that_is_not_linear_in_q_runs_as_it_is():
     assert torch.allclose(q.grad, 2 * q.detach() * cos.unsqueeze(1))
 
 
-def test_the_rotary_tiles_are_installed_while_a_model_uses_them():
-    config = AutoConfig.for_model("llama", **COMMON)
-    with torch.device("meta"):
-        first, second = AutoModelForCausalLM.from_config(config), AutoModelForCausalLM.from_config(config)
+def test_the_modeling_modules_rotary_is_never_replaced():
+    """The owned attention block calls the tiled form; the modeling module keeps its own function."""
     original = modeling_llama.apply_rotary_pos_emb
-    names = rotary_tiles.install(first)
-    assert names == ["transformers.models.llama.modeling_llama"]
-    rotary_tiles.install(second)
-    assert modeling_llama.apply_rotary_pos_emb._ulysses_tiled_rotary is original
-    rotary_tiles.uninstall(names)
-    assert modeling_llama.apply_rotary_pos_emb is not original  # the second model still uses them
-    rotary_tiles.uninstall(names)
+    assert rotary_tiles.tiled(original) is rotary_tiles.tiled(original)  # one tiled form per function
     assert modeling_llama.apply_rotary_pos_emb is original
 
 
@@ -249,8 +241,9 @@ def test_the_planned_step_and_host_memory_with_offload_attention_and_the_alst_sw
     the ALST switches alone peak at 10.0 ``[s, H]`` tensors (a checkpointed layer's MLP backward holding its saved
     activations); with ``offload_attention`` the step peaks in a layer's forward at 6.4, at the rotary embedding
     (the embeddings HF keeps, the layer's input, the norm's output, the projected and the rotated queries and keys,
-    the values, the cos/sin tables): the attention's q, k and v are given back after the attention call (the
-    attention module never reads them again: offload/unread_arguments.py; before, 6.6 at the output projection),
+    the cos/sin tables): the strategy runs the attention block itself (offload/attention_block.py), so its q, k and v
+    are dropped after the attention call and the values are projected after the rotation (with the model's own
+    forward: 6.6 at the output projection),
     and the layer's output gradient is not held while its backward runs; the host holds each layer's checkpoint
     plus one layer's store and saved tensors, not every layer's store (before: every layer's, three times the
     checkpoints)."""

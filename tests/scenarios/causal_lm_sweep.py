@@ -111,7 +111,7 @@ def _save(folder: Path, model_type: str, result: dict) -> None:
 def run(payload: dict) -> dict:
     """``payload["setting"]`` (one setting, results by model type) or ``payload["settings"]`` (several, results by
     ``"<model type>@<setting>"``: the suite's sample, every setting in one launch)."""
-    from lightning_ulysses.offload import unread_arguments
+    from lightning_ulysses.offload import attention_block
 
     rank = os.environ.get("RANK", "0")
     if payload.get("rotary_tile_bytes"):  # the rotary tiles of offload_attention at the sweep's tiny shapes
@@ -149,9 +149,9 @@ def run(payload: dict) -> dict:
             watchdog = threading.Timer(timeout, expire)
             watchdog.daemon = True
             watchdog.start()
-        released = unread_arguments.RELEASED[0]
+        owned = attention_block.OWNED_CALLS[0]
         results[key] = _fit(model_type, class_name, payload.get("steps", STEPS), setting, payload.get("strategy"))
-        results[key]["unread_arguments_released"] = unread_arguments.RELEASED[0] - released  # offload_attention's
+        results[key]["owned_attention_calls"] = attention_block.OWNED_CALLS[0] - owned  # offload_attention's blocks
         if watchdog is not None:
             watchdog.cancel()
         if folder is not None:
