@@ -209,8 +209,9 @@ def test_training_with_offloaded_attention_and_the_alst_switches_is_one_devices(
     print(f"[measured] {model_type} {setting} + ALST: {measured}, owned attention blocks run {owned}")
     assert got["outcome"] == sweep.EXACT, got
     # the strategy ran every layer's attention block itself (offload/attention_block.py; the family is registered):
-    # 2 layers, each in its first forward (no graph) and its recompute, every step
-    assert owned == [2 * 2 * sweep.STEPS] * 2, owned
+    # 2 layers, each in its first forward (no graph) and its recompute, every step (and in the model-form check's
+    # probe, whole and sharded: 16 or 20 here)
+    assert owned[0] == owned[1] >= 2 * 2 * sweep.STEPS, owned
 
 
 @pytest.mark.multiprocess
