@@ -142,8 +142,8 @@ def test_hybrid_families_on_cuda_with_their_kernels(arch):
 def test_strategy_on_one_gpu_trains_as_the_plain_model(record_property):
     """The strategy's CUDA path on one GPU (sp_size=1, nccl, DeepSpeed on CUDA): fp32 at ZeRO 2 and at ZeRO 3 with
     every memory switch on (tiled MLP and loss, checkpoints offloaded to pinned host memory on a side stream), also with
-    ``offload_attention`` (the layer checkpoint, the chunks in pinned host memory, the attention's unread inputs given
-    back on CUDA) gives the plain model's losses (CPU reference, 1e-5); bf16-mixed and bf16-true follow them within
+    ``offload_attention`` (the layer checkpoint, the chunks in pinned host memory, the attention block run by the
+    strategy) gives the plain model's losses (CPU reference, 1e-5); bf16-mixed and bf16-true follow them within
     bf16 rounding (2e-2). One launch. CPU path: tests/test_parity.py, tests/test_memory_features.py,
     tests/test_offload_attention.py (the same offload run on CPU passed when this was written)."""
     from tests.support.models import TokenDataset, tiny_llama_config, train_single_device
