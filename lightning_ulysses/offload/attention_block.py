@@ -22,17 +22,20 @@ from __future__ import annotations
 import hashlib
 import inspect
 import sys
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from lightning_ulysses import _compat
 from lightning_ulysses.families.attention_blocks import AttentionBlockRecipe, recipe_for
 from lightning_ulysses.offload import rotary_tiles
 
 _OWNED = "_ulysses_owned_attention"  # marks the instance forward this module installed
 OWNED_CALLS = [0]  # calls that ran the owned block (a count for tests)
 _digests: dict[Any, Optional[str]] = {}
+_warned: set[type] = set()  # classes whose forward differs from their recipe's source: told once
 
 
 def _defining_class(module: nn.Module) -> Optional[type]:
@@ -57,7 +60,15 @@ def recipe_of(module: nn.Module) -> Optional[AttentionBlockRecipe]:
     recipe = None if cls is None else recipe_for(cls.__module__, cls.__name__)
     if recipe is None or getattr(sys.modules.get(recipe.modeling_module), recipe.attention_class, None) is not cls:
         return None
-    return recipe if _digest(vars(cls)["forward"]) == recipe.forward_digest else None
+    if _digest(vars(cls)["forward"]) != recipe.forward_digest:
+        if cls not in _warned:
+            _warned.add(cls)
+            warnings.warn(f"{cls.__name__}.forward differs from the source the strategy's attention block for it was"
+                          " written from (another transformers version than the tested one, requirements/lock.txt):"
+                          " offload_attention runs the module's own forward, exact but holding its q, k and v to the"
+                          " end of the call (more memory than planned for the tested version).", stacklevel=2)
+        return None
+    return recipe
 
 
 def install(model: nn.Module) -> list[nn.Module]:
@@ -121,7 +132,7 @@ def _owned_forward(module: nn.Module, recipe: AttentionBlockRecipe, original: Ca
     # [B, Hq, s, D], [B, Hkv, s, D]: rotated in tiles into new tensors; the unrotated ones are dropped here
     query, key = rotary_tiles.tiled(modeling.apply_rotary_pos_emb)(query, key, cos, sin)
     value = _heads(module.v_proj(hidden_states), None, hidden_shape)  # [B, Hkv, s, D], after the rotation's peak
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(_compat.attention_implementation(module.config),
                                                       modeling.eager_attention_forward)
     out, weights = attention(module, query, key, value, attention_mask,
                              dropout=0.0 if not module.training else module.attention_dropout,

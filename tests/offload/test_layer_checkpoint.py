@@ -239,7 +239,7 @@ def _traced(chunk, layers, tokens=65536):
 def test_the_planned_step_and_host_memory_with_offload_attention_and_the_alst_switches(monkeypatch):
     """The planner's trace (CUDA's behaviour, shapes only; sp 2, bf16, 64K tokens per rank of a GQA Llama layer):
     the ALST switches alone peak at 10.0 ``[s, H]`` tensors (a checkpointed layer's MLP backward holding its saved
-    activations); with ``offload_attention`` the step peaks in a layer's forward at 6.4, at the rotary embedding
+    activations); with ``offload_attention`` the step peaks in a layer's forward at 6.1, at the rotary embedding
     (the embeddings HF keeps, the layer's input, the norm's output, the projected and the rotated queries and keys,
     the cos/sin tables): the strategy runs the attention block itself (offload/attention_block.py), so its q, k and v
     are dropped after the attention call and the values are projected after the rotation (with the model's own
@@ -251,6 +251,6 @@ def test_the_planned_step_and_host_memory_with_offload_attention_and_the_alst_sw
     unit = 65536 * 512 * 2
     alst, switch = _traced(None, 3), _traced(4096, 3)
     assert 9.5 <= alst.peak / unit <= 10.2, alst.peak / unit  # 9.96 here (Llama-3.1-8B's shape: 9.7)
-    assert switch.peak / unit <= 6.45, switch.peak / unit  # 6.38 here, cos/sin 0.25 of it (Llama-3.1-8B's: 5.84)
+    assert switch.peak / unit <= 6.2, switch.peak / unit  # 6.13 here, cos/sin 0.25 of it (the model's own forward: 6.38)
     per_layer_host = _traced(4096, 4).host - switch.host
     assert per_layer_host == unit, per_layer_host / unit  # one checkpoint ([s, H] bf16) per further layer
