@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable
+import sys
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -73,14 +74,31 @@ def _large_storage(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().nbytes() >= HOST_MIN_BYTES
 
 
-def _release(tensors: list[torch.Tensor]) -> None:
-    """Free the large storages among ``tensors``: the recomputed layer's inputs as this checkpoint fetched them from
-    the host, and its outputs. Backward reads only their shapes (the input's gradient, the outputs' gradients), and
-    until the layer's backward is through they would hold ``[s, H]`` each beside the gradients; no saved tensor
-    shares a large storage (:func:`host_saved_tensors` moves or copies those)."""
-    for tensor in tensors:
-        if _large_storage(tensor):
+def _reference_counts(tensors: list[torch.Tensor]) -> list[int]:
+    return [sys.getrefcount(tensor) for tensor in tensors]
+
+
+# What _reference_counts reads for a tensor that only the list handed to it references (this Python's own count)
+_ONLY_IN_THE_LIST = _reference_counts([torch.empty(0)])[0]
+
+
+def _release_unreferenced(tensors: list[torch.Tensor], held: Optional[int]) -> int:
+    """Free the large storages among ``tensors`` (the recomputed layer's inputs as this checkpoint fetched them from
+    the host, and its outputs) that nothing but this checkpoint references: no other tensor views the storage, and
+    (``held`` not ``None``: a tensor the layer's code and hooks saw) no more than ``held`` Python references besides
+    the list. Backward reads only their shapes (the input's gradient, the outputs' gradients), and until the layer's
+    backward is through they would hold ``[s, H]`` each beside the gradients; no saved tensor shares a large storage
+    (:func:`host_saved_tensors` moves or copies those). A tensor anything else holds (a user's forward hook that keeps
+    the layer's output, or its input: the layer is given an alias of the checkpoint's own copy, so such a hook shows as
+    another tensor viewing the storage; an attribute the layer's code set) keeps its bytes. Returns how many were
+    freed."""
+    freed = 0
+    for tensor, count in zip(tensors, _reference_counts(tensors)):
+        if _large_storage(tensor) and (held is None or count - _ONLY_IN_THE_LIST <= held) and \
+                _compat.storage_use_count(tensor) == _compat.LONE_STORAGE_USE_COUNT:
             _compat.release_storage(tensor)
+            freed += 1
+    return freed
 
 
 class _OnHost:
@@ -127,19 +145,22 @@ class _RecomputedLayer(torch.autograd.Function):
         fetched = [None if handle is None else store.ready(store.fetch(handle)) for handle in ctx.on_host]
         ctx.on_host = None
         inputs = [(next(saved) if t is None else t).detach().requires_grad_(need) for t, need in zip(fetched, needs)]
+        fetched = [t is not None for t in fetched]  # the fetched copies: only `inputs` views them now
         with torch.enable_grad(), replayed_rng(ctx.device, ctx.rng), contextlib.ExitStack() as stack:
             for kind, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-            with host_saved_tensors(ctx.device):
-                outputs = ctx.function(*_arguments(ctx.layout, inputs))
+            with host_saved_tensors(ctx.device):  # the fetched copies as aliases: the layer never holds our own
+                outputs = ctx.function(*_arguments(ctx.layout, [t.view_as(t) if f else t
+                                                                for t, f in zip(inputs, fetched)]))
         outputs = (outputs,) if ctx.output_is_tensor else tuple(outputs)
         grads = _unpark(grads, parked, store)
         pairs = [(out, grad) for out, grad in zip(outputs, grads)
                  if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None]
-        ours = [t for t, f in zip(inputs, fetched) if f is not None]
-        if ours and all(f is not None or not t.is_floating_point() for t, f in zip(inputs, fetched)):
-            # every floating-point input is this checkpoint's own copy: no output can be a caller's tensor
-            _release(ours + [out for out in outputs if isinstance(out, torch.Tensor)])
+        # every floating-point input is this checkpoint's own copy: no output can be a caller's tensor
+        own_copies = any(fetched) and all(f or not t.is_floating_point() for t, f in zip(inputs, fetched))
+        if own_copies:  # the fetched inputs, which only this checkpoint and its graph's leaves reference
+            _release_unreferenced([t for t, f in zip(inputs, fetched) if f], held=None)
+        root = None
         if pairs:
             # the outputs' gradients go to the engine through a box that backward empties: no Python name holds
             # them while the layer back-propagates (the first node to use one can add to it in place, or free it)
@@ -147,8 +168,12 @@ class _RecomputedLayer(torch.autograd.Function):
             del pairs, grads
             with torch.enable_grad():  # (a backward runs without a graph)
                 root = _GradientSource.apply(box, *roots)  # []
+            del roots
+        if own_copies:  # the outputs: referenced here by `outputs` alone (and the list handed over)
+            _release_unreferenced([out for out in outputs if isinstance(out, torch.Tensor)], held=1)
+        if root is not None:
             torch.autograd.backward(root)
-            del roots, root
+            del root
         handed_on = [t.grad if need else None for t, need in zip(inputs, needs)]
         for grad in handed_on:
             if grad is not None:

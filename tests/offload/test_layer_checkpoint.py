@@ -133,6 +133,55 @@ def test_the_cuda_paths_of_the_layer_checkpoint_emulated_on_a_host(monkeypatch):
     assert worst <= 1e-6, worst
 
 
+def test_what_a_users_hook_keeps_of_a_recomputed_layer_is_never_freed(monkeypatch):
+    """The same CUDA paths emulated, with a forward hook on every layer's first norm that keeps its input (in the
+    recompute: the layer's input as this checkpoint fetched it from the host, whose storage it frees when nothing else
+    holds it): nothing a hook holds is freed or changed (the layer is given an alias of the checkpoint's own copy, so
+    the hook's tensor shows as a second view of the storage), so 3 fewer storages are freed; the loss and gradients
+    stay the same (1e-6)."""
+    monkeypatch.setattr(offload_attention, "ChunkStore", _EmulatedHost)
+    monkeypatch.setattr(layer_checkpoint, "HOST_MIN_BYTES", 1024)
+    host = _EmulatedHost(None)
+    monkeypatch.setattr(memory, "_offload_to_host", lambda: torch.autograd.graph.saved_tensors_hooks(host.put,
+                                                                                                      host.fetch))
+    features = memory.MemoryFeatures(tiled_mlp=3, offload_checkpoints=True, ulysses_offload=True)
+    reference_loss, reference, _ = _train_step("llama", features)
+    released = []
+    monkeypatch.setattr(_compat, "STORAGE_RELEASED", [*_compat.STORAGE_RELEASED,
+                                                      lambda key, nbytes: released.append(nbytes)])
+    kept = []
+
+    def keep(module, args, output):
+        if type(module).__name__.endswith("RMSNorm") and module.weight.shape == (64,):
+            kept.append((args[0], args[0].detach().clone()))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(keep)
+    try:
+        loss, grads, _ = _train_step("llama", features)
+    finally:
+        handle.remove()
+    assert len(kept) >= 3 * 2  # each layer's first norm in the first forward and the recompute (and the final norm)
+    assert all(t.untyped_storage().nbytes() > 0 and torch.equal(t, copy) for t, copy in kept)
+    assert released.count(2 * 40 * 64 * 4) == 3 * 2, released  # outputs and parked gradients (without the hook: 9)
+    assert abs(loss - reference_loss) <= 1e-6
+    worst = max(float((g - p).abs().max() / p.abs().max().clamp_min(1e-12)) for g, p in zip(grads, reference))
+    assert worst <= 1e-6, worst
+
+
+def test_a_tensor_anything_else_references_is_not_freed(monkeypatch):
+    """The release's own checks: a tensor referenced only by the list (and ``held`` names of the checkpoint) is freed;
+    one that another list, an attribute or a view also holds keeps its bytes."""
+    monkeypatch.setattr(layer_checkpoint, "HOST_MIN_BYTES", 1024)
+    alone, in_a_list, viewed, small = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64), torch.randn(4)
+    elsewhere = [in_a_list]
+    view = viewed[:, :1]
+    outputs = (alone, in_a_list, viewed, small)
+    assert layer_checkpoint._release_unreferenced(list(outputs), held=2) == 1  # `outputs` and its own name
+    assert alone.untyped_storage().nbytes() == 0
+    assert all(t.untyped_storage().nbytes() > 0 for t in (in_a_list, viewed, small))
+    assert elsewhere and view.shape == (64, 1)
+
+
 def test_a_keyword_tensor_that_needs_a_gradient_is_checkpointed_by_torch():
     """The strategy's checkpoint returns gradients to the positional tensors only: a layer called with a keyword
     tensor that needs one (a value passed between layers) goes to torch's checkpoint, and that tensor gets its
