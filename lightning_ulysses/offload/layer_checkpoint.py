@@ -175,6 +175,8 @@ class _RecomputedLayer(torch.autograd.Function):
             torch.autograd.backward(root)
             del root
         handed_on = [t.grad if need else None for t, need in zip(inputs, needs)]
+        for t in inputs:
+            t.grad = None  # the engine's alone from here (what the layer below parks counts its references)
         for grad in handed_on:
             if grad is not None:
                 hand_on(grad)
@@ -214,13 +216,52 @@ def hand_on(tensor: torch.Tensor) -> None:
     setattr(tensor, HANDED_ON, True)
 
 
+def _excess_references(grads: tuple) -> list[int]:
+    """For each tensor of ``grads`` (a backward's incoming gradients), its Python references beyond the list's own."""
+    tensors = [grad for grad in grads if isinstance(grad, torch.Tensor)]
+    return [count - _ONLY_IN_THE_LIST for count in _reference_counts(tensors)]
+
+
+def _references_of_an_engines_gradient() -> int:
+    """What :func:`_excess_references` reads, inside a backward, for a gradient the engine alone holds (made by the
+    node above, held by nothing else), on this torch and this Python: measured once on a two-node graph."""
+    seen: list[int] = []
+
+    class _Above(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return grad * 2
+
+    class _Below(_Above):
+        @staticmethod
+        def backward(ctx, *grads: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            seen.extend(_excess_references(grads))
+            return grads[0]
+
+    x = torch.zeros(2, requires_grad=True)
+    with torch.enable_grad():
+        _Above.apply(_Below.apply(x)).sum().backward()
+    return seen[0]
+
+
+_ENGINES_GRADIENT = _references_of_an_engines_gradient()
+
+
 def _park(grads: tuple, store: Any) -> list[Any]:
-    """Each of ``grads`` marked :data:`HANDED_ON` whose storage no other tensor views, copied to host memory and its
-    device storage freed; ``None`` for the others. Where the chunk store does not move to the host (not CUDA),
-    nothing is parked."""
+    """Each of ``grads`` marked :data:`HANDED_ON` that nothing else holds (no other tensor views its storage, no
+    Python reference beyond the engine's: a user's tensor hook that keeps the layer's output gradient keeps it whole),
+    copied to host memory and its device storage freed; ``None`` for the others. Where the chunk store does not move
+    to the host (not CUDA), nothing is parked."""
     parked: list[Any] = []
+    excess = iter(_excess_references(grads))
     for grad in grads:
-        lone = isinstance(grad, torch.Tensor) and getattr(grad, HANDED_ON, False) and \
+        references = next(excess) if isinstance(grad, torch.Tensor) else None
+        lone = references is not None and getattr(grad, HANDED_ON, False) and \
+            references <= _ENGINES_GRADIENT and \
             _compat.storage_use_count(grad) == _compat.LONE_STORAGE_USE_COUNT
         if not (store.offloads and lone):
             parked.append(None)

@@ -168,6 +168,40 @@ def test_what_a_users_hook_keeps_of_a_recomputed_layer_is_never_freed(monkeypatc
     assert worst <= 1e-6, worst
 
 
+def test_a_gradient_a_users_tensor_hook_keeps_is_not_parked(monkeypatch):
+    """The same CUDA paths emulated, with a tensor hook on every decoder layer's output that keeps its gradient (as
+    gradient monitors do): that gradient, which the layer's backward would park in host memory and free on the
+    device, stays whole (its references counted against an engine-held gradient's, measured once per process), so 3
+    fewer storages are freed (the output's own, the layers below); loss and gradients as before (1e-6)."""
+    monkeypatch.setattr(offload_attention, "ChunkStore", _EmulatedHost)
+    monkeypatch.setattr(layer_checkpoint, "HOST_MIN_BYTES", 1024)
+    host = _EmulatedHost(None)
+    monkeypatch.setattr(memory, "_offload_to_host", lambda: torch.autograd.graph.saved_tensors_hooks(host.put,
+                                                                                                      host.fetch))
+    features = memory.MemoryFeatures(tiled_mlp=3, offload_checkpoints=True, ulysses_offload=True)
+    reference_loss, reference, _ = _train_step("llama", features)
+    released = []
+    monkeypatch.setattr(_compat, "STORAGE_RELEASED", [*_compat.STORAGE_RELEASED,
+                                                      lambda key, nbytes: released.append(nbytes)])
+    kept = []
+
+    def keep(module, args, output):
+        if type(module).__name__.endswith("DecoderLayer"):
+            output.register_hook(lambda grad: kept.append((grad, grad.clone())))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(keep)
+    try:
+        loss, grads, _ = _train_step("llama", features)
+    finally:
+        handle.remove()
+    assert len(kept) == 3
+    assert all(g.untyped_storage().nbytes() > 0 and torch.equal(g, copy) for g, copy in kept)
+    assert released.count(2 * 40 * 64 * 4) == 3 * 2, released  # inputs and outputs (without the hook: 9)
+    assert abs(loss - reference_loss) <= 1e-6
+    worst = max(float((g - p).abs().max() / p.abs().max().clamp_min(1e-12)) for g, p in zip(grads, reference))
+    assert worst <= 1e-6, worst
+
+
 def test_a_tensor_anything_else_references_is_not_freed(monkeypatch):
     """The release's own checks: a tensor referenced only by the list (and ``held`` names of the checkpoint) is freed;
     one that another list, an attribute or a view also holds keeps its bytes."""
