@@ -165,7 +165,7 @@ def trained():
 # rotary embedding in tiles of positions (offload/rotary_tiles.py), here 6 positions a
 # tile (a query position is 4 heads of 16 float32: 256 bytes) so that the 16-position shards are cut unevenly.
 WITH_ALST = {"llama": ("zero3", "packed", "bf16"), "mistral": ("zero3", "packed"),
-             "qwen3": ("zero3", "bf16")}  # (Qwen3: its q/k norms tiled with the MLP) a hybrid's layers: in process
+             "qwen3": ("zero3", "bf16"), "qwen2": ("zero3",)}  # every family with an owned attention block  # (Qwen3: its q/k norms tiled with the MLP) a hybrid's layers: in process
 # (bf16: Lightning's bf16-mixed at ZeRO 2, its error against float64 at most the sweep's BF16_RATIO times one bf16
 # device's)
 # (tests/offload/test_layer_checkpoint.py); ZeRO 2 with this switch alone above
