@@ -115,12 +115,31 @@ def user_module_hooks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str
     return kept
 
 
+# Packages whose hooks are part of what a model computes (transformers records router logits and hidden states with
+# forward hooks, peft and accelerate wrap modules with them): they run in the form check's probe too.
+_MODEL_LIBRARIES = ("torch", "transformers", "accelerate", "peft", "deepspeed", "lightning_ulysses", "lightning",
+                    "pytorch_lightning", "litgpt", "bitsandbytes", "torchao")
+
+
+def _silenced_hooks(roots: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, str, dict[int, Any], Any]]:
+    kept = [(module, registry, {key: hook for key, hook in hooks.items()
+                                if _hook_package(hook) not in _MODEL_LIBRARIES}, flag)
+            for root in roots for module, registry, hooks, flag in user_module_hooks(root)]
+    return [entry for entry in kept if entry[2]]
+
+
+def has_user_hooks(roots: list[torch.nn.Module]) -> bool:
+    """Whether any module of ``roots`` has a hook that :func:`user_hooks_silenced` would silence."""
+    return bool(_silenced_hooks(roots))
+
+
 @contextmanager
 def user_hooks_silenced(roots: list[torch.nn.Module]) -> Iterator[None]:
-    """Inside the block, the users' hooks (:func:`user_module_hooks`) of every module of ``roots`` do not run: the
-    strategy's own probe of the model (its form check) is not one of the user's forwards, and a hook that keeps
-    outputs or counts calls must see only those. Put back afterwards under their ids, in their order."""
-    kept = [entry for root in roots for entry in user_module_hooks(root)]
+    """Inside the block, the hooks of every module of ``roots`` that no model library registered (the user's own
+    code's: a monitor, an activation capture) do not run: the strategy's own probe of the model (its form check) is
+    not one of the user's forwards, and a hook that keeps outputs or counts calls must see only those. Put back
+    afterwards under their ids, in their order."""
+    kept = _silenced_hooks(roots)
     for module, registry, hooks, _ in kept:
         setattr(module, registry, OrderedDict((key, hook) for key, hook in getattr(module, registry).items()
                                               if key not in hooks))

@@ -286,7 +286,8 @@ class ModuleStateSnapshot:
 
 
 @contextlib.contextmanager
-def quiet_and_repeatable(modules: list[nn.Module], device: torch.device) -> Iterator[ModuleStateSnapshot]:
+def quiet_and_repeatable(modules: list[nn.Module], device: torch.device,
+                         silence_users_hooks: bool = True) -> Iterator[ModuleStateSnapshot]:
     """Eval mode (no dropout), no gradients, the users' hooks silent (the probe is not one of their forwards); the
     random state and the modules' state (buffers, plain attributes) restored afterwards, so the first real step
     computes what it would have computed without the probe. Yields the snapshot, so that each run can start from it
@@ -294,7 +295,8 @@ def quiet_and_repeatable(modules: list[nn.Module], device: torch.device) -> Iter
     modes = [(m, m.training) for root in modules for m in root.modules()]
     snapshot = ModuleStateSnapshot(modules)
     devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad(), _compat.user_hooks_silenced(modules):
+    silenced = _compat.user_hooks_silenced(modules) if silence_users_hooks else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), silenced:
         for root in modules:
             root.eval()
         try:
@@ -319,10 +321,17 @@ def check_model_form(rounds: list[tuple[list[tuple[nn.Module, Callable[..., Any]
     global _probe_depth
     _probe_depth += 1
     try:
-        findings = [f for targets, probe in rounds for f in _run_probe(targets, probe, context, device, plain, False)]
+        silence = True  # the users' own hooks do not see the probe, unless the model cannot run without them
+        try:
+            findings = [f for targets, probe in rounds
+                        for f in _run_probe(targets, probe, context, device, plain, False, silence)]
+        except _NeedsUsersHooks:
+            silence = False
+            findings = [f for targets, probe in rounds
+                        for f in _run_probe(targets, probe, context, device, plain, False, silence)]
         if _found_on_any_rank(bool(findings), device):  # run again, recording every module, to name the first
             findings = [f for targets, probe in rounds
-                        for f in _run_probe(targets, probe, context, device, plain, True)]
+                        for f in _run_probe(targets, probe, context, device, plain, True, silence)]
             _agree_and_raise(findings, rounds[0][1].ids.shape[1])
     finally:
         _probe_depth -= 1
@@ -359,16 +368,24 @@ class _NoRecording:
         pass
 
 
+class _NeedsUsersHooks(Exception):
+    """The probe's whole run failed with the users' hooks silent: it runs again with them (a hook the model needs)."""
+
+
 def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.device,
-               plain: Callable[[], contextlib.AbstractContextManager], locate: bool) -> list[str]:
+               plain: Callable[[], contextlib.AbstractContextManager], locate: bool,
+               silence_users_hooks: bool = True) -> list[str]:
     """The probe's two runs per target; with ``locate``, every submodule's output is recorded, to name the first
-    module whose output differs."""
+    module whose output differs; ``silence_users_hooks``: the hooks no model library registered do not run (a hook
+    that counts calls or keeps activations sees only the steps' forwards). Where the whole run fails with them
+    silent, :class:`_NeedsUsersHooks` asks for a run with them (a hook that the model needs to run at all)."""
     findings: list[str] = []
     n, length = len(probe.index), probe.ids.shape[1]
     local_ids = probe.ids[:, probe.index]  # [1, n]: this rank's probe shard
     probe_facts = StepFacts(shard_info=probe.shard, in_step=True)  # the probe's own: no batch tensors, local tiles
     saved_router_mask = context.router_token_mask
-    with quiet_and_repeatable([t[0] for t in targets], device) as snapshot, \
+    silenced_some = silence_users_hooks and _compat.has_user_hooks([t[0] for t in targets])
+    with quiet_and_repeatable([t[0] for t in targets], device, silence_users_hooks) as snapshot, \
             _compat.zero3_forward_discovery([t[0] for t in targets]):
         for model, whole_call, sharded_call in targets:
             name = type(model).__name__
@@ -377,6 +394,8 @@ def _run_probe(targets: list, probe: Probe, context: StepContext, device: torch.
                 with plain():
                     whole = first_tensor(whole_call(model, probe.ids, probe.positions))
             except Exception as err:
+                if silenced_some:
+                    raise _NeedsUsersHooks() from err
                 raise RuntimeError(
                     f"UlyssesDeepSpeedStrategy's model-form check could not run {name} on its probe (the batch's"
                     f" token ids, [1, {length}]) as one device would: {type(err).__name__}: {err}. The check calls the"

@@ -31,6 +31,7 @@ from torch import nn
 from lightning_ulysses import _compat
 from lightning_ulysses.families.attention_blocks import AttentionBlockRecipe, recipe_for
 from lightning_ulysses.offload import rotary_tiles
+from lightning_ulysses.patches import held_on_instance, on_instance, put_on_instance, take_from_instance
 
 _OWNED = "_ulysses_owned_attention"  # marks the instance forward this module installed
 OWNED_CALLS = [0]  # calls that ran the owned block (a count for tests)
@@ -54,7 +55,7 @@ def _digest(forward: Callable) -> Optional[str]:
 def recipe_of(module: nn.Module) -> Optional[AttentionBlockRecipe]:
     """The recipe the strategy runs ``module``'s attention block by, ``None`` where it runs the module's own forward
     (no registered class, a forward overridden or replaced, source other than the recipe was written from)."""
-    if "forward" in vars(module):
+    if held_on_instance(module, "forward"):
         return None
     cls = _defining_class(module)
     recipe = None if cls is None else recipe_for(cls.__module__, cls.__name__)
@@ -86,15 +87,15 @@ def install(model: nn.Module) -> list[nn.Module]:
             return _owned_forward(_module, _recipe, _original, *args, **kwargs)
 
         setattr(forward, _OWNED, True)
-        vars(module)["forward"] = forward
+        put_on_instance(module, "forward", forward)
         owned.append(module)
     return owned
 
 
 def uninstall(modules: list[nn.Module]) -> None:
     for module in modules:
-        if getattr(vars(module).get("forward"), _OWNED, False):
-            del vars(module)["forward"]
+        if getattr(on_instance(module, "forward"), _OWNED, False):
+            take_from_instance(module, "forward")
 
 
 def _window(module: nn.Module, recipe: AttentionBlockRecipe) -> dict[str, Any]:
