@@ -222,9 +222,11 @@ def _excess_references(grads: tuple) -> list[int]:
     return [count - _ONLY_IN_THE_LIST for count in _reference_counts(tensors)]
 
 
+@functools.cache
 def _references_of_an_engines_gradient() -> int:
     """What :func:`_excess_references` reads, inside a backward, for a gradient the engine alone holds (made by the
-    node above, held by nothing else), on this torch and this Python: measured once on a two-node graph."""
+    node above, held by nothing else), on this torch and this Python: measured once, on a two-node graph of CPU
+    tensors (a backward inside the layer's backward, which the engine runs reentrantly)."""
     seen: list[int] = []
 
     class _Above(torch.autograd.Function):
@@ -248,22 +250,21 @@ def _references_of_an_engines_gradient() -> int:
     return seen[0]
 
 
-_ENGINES_GRADIENT = _references_of_an_engines_gradient()
-
-
 def _park(grads: tuple, store: Any) -> list[Any]:
     """Each of ``grads`` marked :data:`HANDED_ON` that nothing else holds (no other tensor views its storage, no
     Python reference beyond the engine's: a user's tensor hook that keeps the layer's output gradient keeps it whole),
     copied to host memory and its device storage freed; ``None`` for the others. Where the chunk store does not move
     to the host (not CUDA), nothing is parked."""
     parked: list[Any] = []
+    if not store.offloads:
+        return [None] * len(grads)
     excess = iter(_excess_references(grads))
     for grad in grads:
         references = next(excess) if isinstance(grad, torch.Tensor) else None
         lone = references is not None and getattr(grad, HANDED_ON, False) and \
-            references <= _ENGINES_GRADIENT and \
-            _compat.storage_use_count(grad) == _compat.LONE_STORAGE_USE_COUNT
-        if not (store.offloads and lone):
+            _compat.storage_use_count(grad) == _compat.LONE_STORAGE_USE_COUNT and \
+            references <= _references_of_an_engines_gradient()  # measured once, at the first use
+        if not lone:
             parked.append(None)
             continue
         parked.append(store.put(grad.contiguous()))
