@@ -3,7 +3,9 @@ reward model on a value head, embeddings with mean and last-token pooling (in-ba
 with sequence-mean and token-mean normalisation: written with the strategy's sequence-level API, each trains exactly
 as one device does (SGD, fp32, 4 steps, losses ≤ 1e-5 and updates ≤ 1e-4 relative) at ZeRO 2 and at ZeRO 3 with
 parameters really partitioned. Written the one-device way (TRL's ``get_batch_logps`` on the shard), DPO and SimPO
-stop on every rank before a weight changes, at the first step.
+stop on every rank before a weight changes, at the first step. So do row weights built from this rank's count,
+``sequence_sum(ratio, mask * (adv / mask.sum(1))[:, None])``, which without the check train silently wrong weights
+(measured); legitimate float weights pass the check (a direct test over a real gloo group).
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ UPDATE_TOL = 1e-4
 
 PARITY = [(name, stage) for name in OBJECTIVES for stage in (2, 3)]
 REFUSED = ["dpo_one_device_code", "simpo_one_device_code", "nan_everywhere", "row_weight_from_shard", "inf_everywhere",
-           "token_weight_from_shard"]
-SHARD_WEIGHTS = ("row_weight_from_shard", "token_weight_from_shard")  # refused before the loss exists
+           "token_weight_from_shard", "grpo_local_count"]
+# refused before the loss exists
+SHARD_WEIGHTS = ("row_weight_from_shard", "token_weight_from_shard", "grpo_local_count")
+UNCHECKED = {"name": "grpo_local_count_unchecked", "objective": "grpo_local_count", "stage": 2,
+             "strategy": {"check_sp_agreement": False}}
 
 
 class Holder(torch.nn.Module):
@@ -56,7 +61,7 @@ def one_device(objective: str, shuffled: bool = True) -> dict:
 @pytest.fixture(scope="module")
 def runs():
     cases = [{"name": f"{name}_zero{stage}", "objective": name, "stage": stage} for name, stage in PARITY]
-    cases += [{"name": name, "objective": name, "stage": 2} for name in REFUSED]
+    cases += [{"name": name, "objective": name, "stage": 2} for name in REFUSED] + [UNCHECKED]
     return launch(2, "post_training:run", {"cases": cases}, timeout=1200)
 
 
@@ -86,7 +91,6 @@ def test_objective_under_fabric_trains_as_one_device(fabric_runs, objective, sta
 
 
 def _assert_one_device(runs, name, objective, stage, reference):
-    initial = _initial_weights(objective)
     for rank, results in enumerate(runs):
         result = results[name]
         assert result["error_type"] is None, result["message"]
@@ -94,7 +98,13 @@ def _assert_one_device(runs, name, objective, stage, reference):
         for ours, theirs in zip(result["losses"], reference["losses"]):
             assert abs(ours - theirs) <= LOSS_TOL * max(1.0, abs(theirs)), (rank, result["losses"],
                                                                              reference["losses"])
-    weights = runs[0][name]["weights"]
+    moved, worst, worst_name = _update_error(runs[0][name]["weights"], reference, objective)
+    assert moved > 10 and worst <= UPDATE_TOL, (objective, stage, moved, worst, worst_name)
+
+
+def _update_error(weights, reference, objective) -> tuple[int, float, str]:
+    """How many parameters the reference moves, and the worst relative difference of ``weights``' update to its."""
+    initial = _initial_weights(objective)
     worst, moved, worst_name = 0.0, 0, None
     for name, theirs in reference["weights"].items():
         update_theirs = theirs - initial[name]
@@ -108,7 +118,7 @@ def _assert_one_device(runs, name, objective, stage, reference):
         error = float((update_ours - update_theirs).norm()) / scale
         if error > worst:
             worst, worst_name = error, name
-    assert moved > 10 and worst <= UPDATE_TOL, (objective, stage, moved, worst, worst_name)
+    return moved, worst, worst_name
 
 
 def test_the_loss_check_walks_a_handful_of_nodes(runs):
@@ -152,3 +162,39 @@ def test_one_device_code_is_refused_on_every_rank_before_a_weight_changes(runs, 
     if name in ("nan_everywhere", "inf_everywhere"):
         assert "never counted as agreement" in runs[0][name]["message"]
         assert ("is inf on every rank" if name == "inf_everywhere" else "is nan on every rank") in runs[0][name]["message"]
+
+
+def test_row_weights_from_the_shard_train_wrong_weights_without_the_check(runs):
+    """What the row-weight check stops (issue 61): with the checks off, GRPO's row weights from this rank's count
+    train without a sign of trouble (the same finite loss on both ranks), and the update is far from one device's
+    with the whole row's count (the right form, ``grpo_row_weights``, is exact: the parity matrix)."""
+    result = runs[0][UNCHECKED["name"]]
+    assert result["error_type"] is None and len(result["losses"]) == STEPS, result["message"]
+    assert runs[0][UNCHECKED["name"]]["losses"] == runs[1][UNCHECKED["name"]]["losses"]
+    _, worst, worst_name = _update_error(result["weights"], one_device("grpo_row_weights"), "grpo_row_weights")
+    print(f"[measured] GRPO row weights from this rank's count, checks off: update {worst:.3g} off one device's"
+          f" (relative, worst parameter {worst_name})")
+    assert worst > 0.1, worst
+
+
+ROW_WEIGHTS_PASS = ("bool_mask", "float_mask", "mask_times_adv", "whole_row_count", "whole_row_count_float64",
+                    "rounding_apart", "per_token", "lone_weights", "empty_on_one_rank", "local_count_equal_counts")
+ROW_WEIGHTS_REFUSED = {"local_count": [0, 1, 3], "local_count_bf16": [0, 1, 3], "local_count_one_side_row": [1, 3]}
+
+
+def test_row_weight_check_refuses_shard_counts_and_passes_the_rest():
+    """``check_row_weights`` over a real gloo group of 2 (``tests/scenarios/post_training.py``'s cases): weights that
+    are one value per row on each rank but a different one on each rank are refused on both ranks, naming the rows
+    and the fix; bool and 0/1 masks, ``mask * adv[:, None]``, the whole row's count (also a rounding apart),
+    per-token weights, lone weights and rows only one rank holds weights of pass."""
+    by_rank = launch(2, "post_training:row_weights")
+    assert by_rank[0].keys() == set(ROW_WEIGHTS_PASS) | set(ROW_WEIGHTS_REFUSED)
+    for results in by_rank:
+        for name in ROW_WEIGHTS_PASS:
+            assert results[name] is None, (name, results[name])
+        for name, rows in ROW_WEIGHTS_REFUSED.items():
+            message = results[name]
+            assert message is not None, name
+            assert f"rows {', '.join(map(str, rows))};" in message, (name, message)
+            assert "sequence_count(mask)" in message and "sequence_mean" in message, message
+    assert by_rank[0] == by_rank[1]  # the same verdict and message on both ranks

@@ -161,6 +161,40 @@ def parameters_mismatch_message(ranks: list[int], where: str, low: list[int], hi
     )
 
 
+_WHOLE_ROW_COUNTS = (
+    " Per-row counts over the whole sequence: `strategy.sequence_count(mask)`; per-row sums and means:"
+    " `strategy.sequence_sum`, `strategy.sequence_mean` (docs/post-training.md)."
+)
+
+
+def sample_weights_from_shard_message(what: str, shape: str) -> str:
+    """Per-sample weights (``shape``: how they were given) that differ between the SP ranks."""
+    return (
+        f"{what}: the per-sample weights {shape} differ between the ranks of a sequence-parallel group, so they were"
+        " computed from this rank's shard (e.g. `1 / (batch[\"shift_labels\"] != -100).sum(1)`, which counts this"
+        " rank's targets only); no weight was changed." + _WHOLE_ROW_COUNTS
+    )
+
+
+def row_weights_from_shard_message(what: str, rows: list[int], low: float, high: float) -> str:
+    """``[B, s]`` weights that hold one value per row on each SP rank, a different one on each rank (``rows``: those
+    rows; ``low``/``high``: the first one's smallest and largest value over the ranks)."""
+    shown = ", ".join(str(r) for r in rows[:8]) + (f" and {len(rows) - 8} more" if len(rows) > 8 else "")
+    return (
+        f"UlyssesDeepSpeedStrategy: {what}: the weights [B, s] hold one value per row on each rank of a"
+        f" sequence-parallel group, but not the same one on every rank (rows {shown}; row {rows[0]}: from"
+        f" {_show(low)} to {_show(high)}); no weight was changed. Such weights were computed from this rank's shard: a"
+        " per-row statistic of this rank's tokens broadcast over them, e.g. `mask * (adv / mask.sum(1))[:, None]`,"
+        " where `mask.sum(1)` counts only this rank's tokens of each row. Every rank then weights its part of a row"
+        " differently, and the sum is not the one-device sum (the update is silently wrong). Take the whole row's"
+        " count: `mask * (adv / strategy.sequence_count(mask))[:, None]`, or the per-row mean itself:"
+        " `strategy.sequence_mean(values * adv[:, None], mask)`; per-row sums: `strategy.sequence_sum(values, mask)`"
+        " (docs/post-training.md). Weights that are the same on every rank (bool or 0/1 masks, `mask * adv[:, None]`)"
+        " or vary along a row pass. The check is part of"
+        " `UlyssesDeepSpeedStrategy(check_sp_agreement=True)`, the default."
+    )
+
+
 def _show(value: float) -> str:
     return "nan" if value == NAN_SENTINEL else f"{value:.9g}"
 

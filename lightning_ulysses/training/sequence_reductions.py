@@ -12,7 +12,9 @@ only: each data-parallel replica scores its own rows, as DDP would.
 
 The gradient reaching every reduction is recorded for the SP peers' agreement check (like the SP losses), and each
 reduction's autograd node is one the shard-local-loss check (:mod:`lightning_ulysses.training.loss_graph`) accepts as
-an SP reduction.
+an SP reduction. Float ``[B, s]`` weights built from a per-row statistic of the shard (``mask * (adv /
+mask.sum(1))[:, None]``, this rank's count) give a result that is the same on every rank and still wrong; the
+strategy's public reductions refuse them with :func:`check_row_weights`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from lightning_ulysses.context import ShardInfo
 from lightning_ulysses.parallel.layout import group_size
 from lightning_ulysses.parallel.outputs import GatherSequence
+from lightning_ulysses.training.agreement import row_weights_from_shard_message
 
 
 class SequenceSum(torch.autograd.Function):
@@ -86,6 +89,47 @@ def sequence_sum(values: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGr
     accumulate = torch.float32 if values.dtype in (torch.bfloat16, torch.float16) else values.dtype
     partial = _masked(values.to(accumulate), mask).sum(dim=1)  # [B, ...] this rank's positions
     return SequenceSum.apply(partial, group, share_factor, record).to(values.dtype)
+
+
+def row_weight_tolerance(dtype: torch.dtype) -> float:
+    """The relative difference at which two ranks' constants of a row count as different: two units in the last place
+    of the weights' dtype, at least 1e-6 (a count of this rank's ``n`` tokens against a peer's ``n + 1`` differs by
+    ``1 / n``: caught in float32 up to a million tokens per row and rank, in bfloat16 up to about 60)."""
+    return max(1e-6, 2 * torch.finfo(dtype).eps)
+
+
+def _row_constants(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[B, s]`` float64 weights -> each row's largest and smallest nonzero finite weight ``[B]`` on this rank
+    (-inf / inf for a row with fewer than two: one weight says nothing about the row's shape), and ``[1]`` whether
+    any row holds two different ones (per-token weights proper)."""
+    present = (weights != 0) & torch.isfinite(weights)  # [B, s]
+    high = torch.where(present, weights, float("-inf")).amax(1)  # [B]
+    low = torch.where(present, weights, float("inf")).amin(1)  # [B]
+    varies = ((high != low) & present.any(1)).any().to(torch.float64).view(1)  # [1]
+    several = present.sum(1) >= 2  # [B]
+    return torch.where(several, high, float("-inf")), torch.where(several, low, float("inf")), varies
+
+
+def check_row_weights(weights: torch.Tensor, group: dist.ProcessGroup, device: torch.device, what: str) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` if float ``[B, s]`` weights are row-constant (every row's
+    nonzero weights one value on each rank, on every rank) and a row's constant differs between the ranks beyond
+    :func:`row_weight_tolerance` (exact where the values are equal): a per-row statistic of this rank's shard
+    broadcast over its tokens, such as ``mask * (adv / mask.sum(1))[:, None]``. A rank with fewer than two nonzero
+    weights in a row is left out of that row's comparison. Weights that vary along a row anywhere are not compared.
+    Bool and integer masks, and an SP group of one rank, cost nothing; float weights one all-reduce of ``[2B + 1]``
+    float64 over ``group`` and one host read."""
+    if not weights.is_floating_point() or weights.ndim != 2 or group_size(group) == 1:
+        return
+    rows = weights.shape[0]
+    high, low, varies = _row_constants(weights.detach().to(device, torch.float64))
+    summary = torch.cat([high, -low, varies])  # [2B + 1] MAX over the group: each row's max, -min; any row varies
+    dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
+    top, bottom = summary[:rows], -summary[rows:2 * rows]  # [B], [B]: the row's constants over the ranks
+    differ = torch.isfinite(top) & (top - bottom > row_weight_tolerance(weights.dtype)
+                                    * torch.maximum(top.abs(), bottom.abs())) & (summary[-1] == 0)  # [B]
+    if bool(differ.any()):
+        found = differ.nonzero().flatten().tolist()
+        raise ValueError(row_weights_from_shard_message(what, found, float(bottom[found[0]]), float(top[found[0]])))
 
 
 def sequence_count(mask: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -24,7 +24,7 @@ from lightning_ulysses.data import halo
 from lightning_ulysses.data.loaders import ShardInfoQueue
 from lightning_ulysses.parallel.layout import SequenceParallelLayout
 from lightning_ulysses.parallel.outputs import gather_sequence_outputs
-from lightning_ulysses.training.agreement import SPAgreement
+from lightning_ulysses.training.agreement import SPAgreement, sample_weights_from_shard_message
 from lightning_ulysses.training.loss import (
     broadcast_token_weights,
     scale_gradient,
@@ -252,42 +252,37 @@ class StepRunner:
 
     def cross_entropy(self, logits: torch.Tensor, shift_labels: torch.Tensor,
                       weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        self._check_row_weights(weight, "cross_entropy")
+        per_token = weight if isinstance(weight, torch.Tensor) and weight.ndim == 2 else None
+        self._check_weights("cross_entropy", samples=weight, tokens=per_token)
         return step_cross_entropy(self.context, logits, shift_labels, weight=weight)
 
-    def _check_row_weights(self, weights: Optional[torch.Tensor], what: str) -> None:
-        """Per-sample weights are properties of whole rows: the same on every SP rank. ``[B]`` weights are compared
-        across the SP ranks; so are ``[B, s]`` per-token weights that hold one nonzero value per row on every rank (a
-        per-sample weight broadcast over the tokens, zero where there is no target): that value of each row. Weights
-        computed in the step from shard tensors (e.g. ``1 / (batch["shift_labels"] != -100).sum(1)``, this rank's
-        count) differ between the ranks and are refused on every rank. One all-reduce of ``[2B]`` (``[2B + 1]`` for
-        per-token weights), only for calls given weights; per-token weights that vary along a row are not compared."""
-        if weights is None or not isinstance(weights, torch.Tensor) or weights.ndim not in (1, 2) \
-                or self.layout.sp_size == 1:
+    def _check_weights(self, what: str, samples: Optional[torch.Tensor] = None,
+                       tokens: Optional[torch.Tensor] = None) -> None:
+        """Weights computed in the step from shard tensors (this rank's count of a row's targets, e.g.
+        ``1 / (batch["shift_labels"] != -100).sum(1)``) differ between the SP ranks, and are refused on every rank
+        before the loss exists (``[B]`` weights always; ``[B, s]`` ones with the SP-peer agreement check,
+        ``check_sp_agreement``, whose ``False`` is the way out of a row that is legitimately constant per rank).
+
+        ``samples``: ``[B]`` per-sample weights, properties of whole rows, compared across the SP ranks (one
+        all-reduce of ``[2B]``). ``tokens``: float ``[B, s]`` per-token weights (a float mask), refused if they hold
+        one value per row on each rank but not the same one on every rank
+        (:func:`~lightning_ulysses.training.sequence_reductions.check_row_weights`, one all-reduce of ``[2B + 1]``);
+        bool masks cost nothing."""
+        if self.layout.sp_size == 1:
             return
+        if isinstance(samples, torch.Tensor) and samples.ndim == 1:  # always: per-sample weights must agree
+            self._check_sample_weights(samples, what)
+        if tokens is not None and self.agreement is not None:  # with the agreement check (its way out)
+            reductions.check_row_weights(tokens, self.layout.sp_group, self.device, what)
+
+    def _check_sample_weights(self, weights: torch.Tensor, what: str) -> None:
+        """``[B]`` weights: the same on every SP rank (one all-reduce of ``[2B]``)."""
         w = weights.detach().to(self.device, torch.float64)
-        if w.ndim == 1:
-            high, low, varies = w, w, w.new_zeros(0)
-        else:  # [B, s]: each row's largest and smallest nonzero value here (-inf / inf for a row without one)
-            present = w != 0
-            high = torch.where(present, w, float("-inf")).amax(1)
-            low = torch.where(present, w, float("inf")).amin(1)
-            varies = ((high != low) & present.any(1)).any().to(torch.float64).view(1)  # [1]: not one value per row
-        rows = high.numel()
-        both = torch.cat([high, -low, varies])  # MAX over the group: each row's max, -min, any rank's rows vary
+        both = torch.cat([w, -w])  # [2B] MAX over the group: each row's max and -min
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.layout.sp_group)
-        if w.ndim == 2 and float(both[-1]) > 0:
-            return  # per-token weights proper: nothing that must agree
-        top, bottom = both[:rows], -both[rows:2 * rows]
+        top, bottom = both[:w.numel()], -both[w.numel():]
         if bool(((top != bottom) & torch.isfinite(top)).any()):
-            shape = "[B]" if w.ndim == 1 else "[B, s] (one value per row)"
-            raise ValueError(
-                f"{what}: the per-sample weights {shape} differ between the ranks of a sequence-parallel group, so"
-                " they were computed from this rank's shard (e.g. `1 / (batch[\"shift_labels\"] != -100).sum(1)`,"
-                " which counts this rank's targets only); no weight was changed. Per-row counts over the whole"
-                " sequence: `strategy.sequence_count(mask)`; per-row sums and means: `strategy.sequence_sum`,"
-                " `strategy.sequence_mean` (docs/post-training.md)."
-            )
+            raise ValueError(sample_weights_from_shard_message(what, "[B]"))
 
     def token_mean(self, values: torch.Tensor, weights: Optional[torch.Tensor] = None,
                    mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -297,12 +292,17 @@ class StepRunner:
         if tuple(values.shape[:2]) != shard.shard_shape:
             raise ValueError(f"token_mean: values must be [B, s] = {list(shard.shard_shape)} (this rank's shard),"
                              f" got {list(values.shape)}.")
-        self._check_row_weights(weights, "token_mean")
         if mask is None:
             mask = self._default_token_mask(shard)
         w = mask.to(values.device).float()
         if weights is not None:
             w = w * broadcast_token_weights(weights, values)
+        per_sample = weights if isinstance(weights, torch.Tensor) and weights.ndim == 1 else None
+        if weights is not None and per_sample is None:
+            tokens: Optional[torch.Tensor] = w  # [B, s] weights as they count: mask · weights
+        else:
+            tokens = mask if mask.is_floating_point() else None  # a float mask is a weight too
+        self._check_weights("token_mean", samples=per_sample, tokens=tokens)
         return step_token_mean(self.context, values, w)
 
     def _default_token_mask(self, shard: ShardInfo) -> torch.Tensor:
@@ -325,11 +325,13 @@ class StepRunner:
 
     def sequence_sum(self, values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         _, mask = self._sequence_mask(values, mask, "sequence_sum", targets_by_default=True)
+        self._check_weights("sequence_sum", tokens=mask)
         return reductions.sequence_sum(values, mask, self.layout.sp_group, self.context.gradients.sequence_share,
                                        self.context.incoming_gradients)
 
     def sequence_mean(self, values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         _, mask = self._sequence_mask(values, mask, "sequence_mean", targets_by_default=True)
+        self._check_weights("sequence_mean", tokens=mask)
         total = reductions.sequence_sum(values, mask, self.layout.sp_group, self.context.gradients.sequence_share,
                                         self.context.incoming_gradients)  # [B, ...]
         count = reductions.sequence_count(mask, self.layout.sp_group).to(total.dtype)  # [B]

@@ -147,3 +147,58 @@ def fabric_fit(case: dict) -> dict:
 
 def run_fabric(payload: dict) -> dict:
     return {case["name"]: fabric_fit(case) for case in payload["cases"]}
+
+
+# ---------------------------------------------------------------------------------------------- row weights, directly
+def _row_weight_cases(rank: int) -> dict[str, torch.Tensor]:
+    """``[B, s]`` weights of this rank's shard (B = 4, s = 6, sp = 2) for ``check_row_weights``: the same rows cut
+    in two; ``mask`` holds 2..6 targets of every row on each rank, a different count on each."""
+    g = torch.Generator().manual_seed(7)  # the same on both ranks: the rows' advantages and masks
+    adv = torch.randn(4, generator=g)
+    masks = torch.zeros(2, 4, 6)
+    for row, counts in enumerate([(6, 2), (3, 5), (4, 4), (2, 6)]):
+        for part, count in enumerate(counts):
+            masks[part, row, :count] = 1
+    mask = masks[rank]
+    row_count = masks.sum(dim=(0, 2))  # [B]: the whole row's count (what strategy.sequence_count gives)
+    local = mask * (adv / mask.sum(1))[:, None]
+    ulp = mask * (adv / row_count * (1 + 1e-7 * rank))[:, None]  # a rounding apart: 1e-7 relative
+    lone = torch.zeros(4, 6)
+    lone[:, 0] = 1.0 if rank == 0 else -1.0  # one weight per row and rank: no evidence of row-constant weights
+    varying = mask * torch.rand(4, 6, generator=torch.Generator().manual_seed(rank))
+    one_side = local.clone()
+    one_side[0] = local[0] if rank == 0 else 0  # row 0: only rank 0 holds weights; rows 1-3 still differ
+    return {
+        "bool_mask": mask.bool(),
+        "float_mask": mask,
+        "mask_times_adv": mask * adv[:, None],
+        "whole_row_count": mask * (adv / row_count)[:, None],
+        "whole_row_count_float64": mask.double() * (adv.double() / row_count.double())[:, None],
+        "rounding_apart": ulp,
+        "per_token": varying,
+        "lone_weights": lone,
+        "empty_on_one_rank": torch.where(torch.tensor(rank == 1), torch.zeros_like(local), local),
+        "local_count": local,
+        "local_count_bf16": local.bfloat16(),
+        "local_count_one_side_row": one_side,
+        "local_count_equal_counts": local[2:3],  # row 2: 4 and 4 targets, so the same weight: undetectable
+    }
+
+
+def row_weights(payload: dict) -> dict:
+    """``check_row_weights`` on each case of :func:`_row_weight_cases` over a real gloo group of 2: whether it
+    raised (and its message), per case."""
+    from lightning_ulysses.training.sequence_reductions import check_row_weights
+
+    dist.init_process_group("gloo")
+    try:
+        out = {}
+        for name, weights in _row_weight_cases(dist.get_rank()).items():
+            try:
+                check_row_weights(weights, dist.group.WORLD, torch.device("cpu"), "sequence_sum")
+                out[name] = None
+            except ValueError as err:
+                out[name] = str(err)
+        return out
+    finally:
+        dist.destroy_process_group()

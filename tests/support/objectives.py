@@ -52,6 +52,9 @@ class OneDevice(_ModelCalls):
     def token_mean(self, values, mask):
         return (values * mask).sum() / mask.sum()
 
+    def sequence_count(self, mask):
+        return mask.sum(1)
+
     def last_token(self, hidden, batch):
         last = batch["attention_mask"].sum(1) - 1
         return hidden[torch.arange(hidden.shape[0]), last]
@@ -87,6 +90,9 @@ class SequenceParallel(_ModelCalls):
 
     def token_mean(self, values, mask):
         return self.strategy.token_mean(values, mask=mask)
+
+    def sequence_count(self, mask):
+        return self.strategy.sequence_count(mask)
 
     def last_token(self, hidden, batch):
         return self.strategy.last_token(hidden)
@@ -235,6 +241,16 @@ def grpo(ops, module, batch, normalise: str = "sequence", clip: float = 0.2, kl_
     return ops.token_mean(per_token, mask)  # DAPO / token-level normalisation
 
 
+def grpo_row_weights(ops, module, batch):
+    """GRPO's surrogate (on-policy, unclipped) with each completion's mean written as a sum with row weights:
+    ``sum_t ratio · mask · adv / count`` per row, the count of the whole row's targets (``strategy.sequence_count``)."""
+    logits, targets = ops.logits_and_targets(module.policy, batch)
+    policy, mask = token_logps(logits, targets)
+    ratio = torch.exp(policy - ops.aligned(batch, "old_logps"))  # [B, T]
+    weights = mask * (batch["advantages"] / ops.sequence_count(mask).clamp(min=1))[:, None]  # [B, T] row-constant
+    return -ops.sequence_sum(ratio, weights).mean()
+
+
 OBJECTIVES = {
     "dpo": dpo,
     "ipo": lambda ops, m, b: dpo(ops, m, b, ipo=True),
@@ -250,6 +266,7 @@ OBJECTIVES = {
     "classifier_own_loss": classifier_own_loss,
     "grpo_sequence": lambda ops, m, b: grpo(ops, m, b, "sequence"),
     "grpo_token": lambda ops, m, b: grpo(ops, m, b, "token"),
+    "grpo_row_weights": grpo_row_weights,
 }
 
 
@@ -317,11 +334,23 @@ def token_weight_from_shard(module, batch):
     return strategy.token_mean(-logps, weights=mask.float() / counts[:, None])
 
 
+def grpo_local_count(module, batch):
+    """:func:`grpo_row_weights` with the one-device count, ``mask.sum(1)``, which on the shard counts this rank's
+    targets of each row: row-constant weights, a different constant on each rank (issue 61)."""
+    strategy = module.trainer.strategy
+    logits, targets = SequenceParallel(strategy).logits_and_targets(module.policy, batch)
+    logps, mask = token_logps(logits, targets)
+    ratio = torch.exp(logps - batch["old_logps"])
+    local_count = mask.sum(1).clamp(min=1)  # [B]: this rank's targets of each row
+    return -strategy.sequence_sum(ratio, mask * (batch["advantages"] / local_count)[:, None]).mean()
+
+
 # Objectives run only where precision is compared (tests/test_bf16.py), not in the fp32 parity matrix.
 PRECISION_OBJECTIVES = {"dpo_logps_in_model_dtype": dpo_logps_in_model_dtype}
 ONE_DEVICE_CODE = {"dpo_one_device_code": dpo_one_device_code, "simpo_one_device_code": simpo_one_device_code,
                    "nan_everywhere": nan_everywhere, "row_weight_from_shard": row_weight_from_shard,
-                   "inf_everywhere": inf_everywhere, "token_weight_from_shard": token_weight_from_shard}
+                   "inf_everywhere": inf_everywhere, "token_weight_from_shard": token_weight_from_shard,
+                   "grpo_local_count": grpo_local_count}
 
 
 # ---------------------------------------------------------------------------------------------- data and models
