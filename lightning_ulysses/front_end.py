@@ -384,7 +384,10 @@ class SequenceParallelFrontEnd:
 
         ``mask``: ``[B, s]`` of this rank's shard, bool (which positions count) or float (weights); ``None``: the
         step's target tokens (``batch["shift_labels"] != -100``), or, if the batch has no labels, its real tokens.
-        Every SP rank must call it (one all-reduce of ``[B, ...]`` over the SP group)."""
+        Every SP rank must call it (one all-reduce of ``[B, ...]`` over the SP group). Float weights built from this
+        rank's own per-row count (``mask * (adv / mask.sum(1))[:, None]``) are refused on every rank with a
+        ``ValueError`` (one more all-reduce of ``[2B + 1]`` for float weights): take counts with
+        :meth:`sequence_count`."""
         return self.runner.sequence_sum(values, mask)
 
     def sequence_mean(self, values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
