@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional

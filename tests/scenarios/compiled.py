@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from lightning.pytorch import seed_everything
 
 from lightning_ulysses import UlyssesDeepSpeedStrategy
