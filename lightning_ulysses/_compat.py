@@ -464,6 +464,15 @@ def efficient_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.T
     return dq, dk, dv
 
 
+def compile_wrapper_class() -> Any:
+    """The class of ``torch.compile(module)``'s wrapper (dynamo's ``OptimizedModule``), ``None`` without dynamo."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:
+        return None
+    return OptimizedModule
+
+
 def hook_is_registered(module: torch.nn.Module, handle: Any) -> bool:
     """Whether the forward (pre-)hook behind ``handle`` is still registered on ``module`` (something may have cleared
     the module's hooks, as Lightning's inference set-up does)."""

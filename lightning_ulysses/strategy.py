@@ -35,7 +35,7 @@ from lightning_ulysses.data.setup import prepare_dataloader
 from lightning_ulysses.data.sharding import automatic_batching_off_error
 from lightning_ulysses.front_end import SequenceParallelFrontEnd
 from lightning_ulysses.models import memory
-from lightning_ulysses.models.refusals import (refuse_tuning_callbacks,
+from lightning_ulysses.models.refusals import (refuse_compile_wrapper_at_zero3, refuse_tuning_callbacks,
                                                refuse_weight_averaging_on_partitioned_parameters)
 from lightning_ulysses.parallel.attention import ModuleSelector
 from lightning_ulysses.training.gradient_factor import verify_deepspeed_divisor
@@ -214,6 +214,7 @@ class UlyssesDeepSpeedStrategy(SequenceParallelFrontEnd, DeepSpeedStrategy):
         refuse_tuning_callbacks(self.lightning_module.trainer.callbacks)
         refuse_weight_averaging_on_partitioned_parameters(self.lightning_module.trainer.callbacks,
                                                           self.lightning_module, self.config)
+        refuse_compile_wrapper_at_zero3(self.lightning_module, self.config)
         self._models.prepare(self.lightning_module, runner.context, self._patches,
                              attention_modules=self.attention_modules, ring_size=self.ring_size,
                              device_type=self.root_device.type, memory_features=self.memory_features,

@@ -392,6 +392,34 @@ def refuse_weight_averaging_on_partitioned_parameters(callbacks: list, module: n
         )
 
 
+def refuse_compile_wrapper_at_zero3(module: nn.Module, deepspeed_config: dict) -> None:
+    """``torch.compile(model)`` returns a wrapper (``OptimizedModule``) whose attribute writes go to the wrapped
+    module. DeepSpeed ZeRO-3 swaps every module's ``_parameters`` for its own dict and marks it in each forward; on
+    the wrapper the swap lands on the wrapped module, and the first forward fails inside DeepSpeed (``'dict' object
+    has no attribute '_in_forward'``, DeepSpeed alone, with or without sequence parallelism). Refused before the
+    engine exists. ``model.compile()`` (in place, no wrapper) trains exactly at ZeRO-3, and the wrapper at ZeRO 0-2
+    (``tests/test_compile.py``)."""
+    zero = deepspeed_config.get("zero_optimization") or {}
+    if zero.get("stage", 0) != 3:
+        return
+    wrapper = _compat.compile_wrapper_class()
+    if wrapper is None:  # a PyTorch without dynamo: nothing can be compiled
+        return
+    wrapped = [(name, sub) for name, sub in module.named_modules() if isinstance(sub, wrapper)]
+    if wrapped:
+        name, sub = wrapped[0]
+        inner = type(getattr(sub, "_orig_mod", sub)).__name__
+        attribute = f"self.{name}" if name else "the module"
+        raise ValueError(
+            f"`{attribute}` is a `torch.compile(...)` wrapper (OptimizedModule around {inner}), which DeepSpeed ZeRO"
+            " stage 3 (`stage=3`) cannot run: its forward fails inside DeepSpeed ('dict' object has no attribute"
+            " '_in_forward') before the first step. Nothing was trained. Compile in place instead: keep the module"
+            f" and call `{attribute}.compile()` (nn.Module.compile, the same compiled forward without a wrapper),"
+            " which trains exactly at ZeRO-3 under sequence parallelism; or keep `torch.compile(...)` and train with"
+            " ZeRO stage 2 (`stage=2`)."
+        )
+
+
 def refuse_tuning_callbacks(callbacks: list) -> None:
     """Lightning's learning-rate finder (``Tuner.lr_find``) cannot drive a DeepSpeed engine: refuse it before compute,
     naming what to do instead (``Tuner.scale_batch_size`` is refused by Lightning itself for distributed runs)."""
