@@ -21,7 +21,7 @@ from torch import nn
 from lightning_ulysses.models.refusals import refuse_compile_wrapper_at_zero3
 from tests.scenarios import compiled as scenario
 from tests.support.launcher import launch
-from tests.support.models import TokenDataset, build_llama, tiny_llama_config
+from tests.support.models import TokenDataset, build_llama, sgd_steps, tiny_llama_config
 
 ALST = {"offload_attention": 8, "tiled_mlp": 2, "tiled_loss": 2, "offload_checkpoints": True}
 TRAINED = {
@@ -36,18 +36,9 @@ SETTINGS = {**TRAINED, REFUSED: {"form": "wrapper", "backend": "aot_eager", "sta
 
 def _one_device() -> dict:
     """Plain PyTorch and transformers, uncompiled: the same rows every step (one batch of both rows)."""
-    model = build_llama(tiny_llama_config(num_kv_heads=2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     rows = TokenDataset(scenario.ROWS, scenario.SEQ_LEN)
     batch = {key: torch.stack([rows[i][key] for i in range(scenario.ROWS)]) for key in rows[0]}
-    losses = []
-    for _ in range(scenario.STEPS):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.named_parameters()}}
+    return sgd_steps(build_llama(tiny_llama_config(num_kv_heads=2)), [batch] * scenario.STEPS, lr=0.5)
 
 
 @pytest.fixture(scope="module")

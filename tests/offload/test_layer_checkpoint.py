@@ -133,12 +133,10 @@ def test_the_cuda_paths_of_the_layer_checkpoint_emulated_on_a_host(monkeypatch):
     assert worst <= 1e-6, worst
 
 
-def test_what_a_users_hook_keeps_of_a_recomputed_layer_is_never_freed(monkeypatch):
-    """The same CUDA paths emulated, with a forward hook on every layer's first norm that keeps its input (in the
-    recompute: the layer's input as this checkpoint fetched it from the host, whose storage it frees when nothing else
-    holds it): nothing a hook holds is freed or changed (the layer is given an alias of the checkpoint's own copy, so
-    the hook's tensor shows as a second view of the storage), so 3 fewer storages are freed; the loss and gradients
-    stay the same (1e-6)."""
+def _trained_with_a_users_hook(monkeypatch, hook) -> list[int]:
+    """The CUDA paths emulated on a host (ALST switches + ``offload_attention``), trained once as they are and once
+    with ``hook`` registered as a global forward hook: loss and gradients the same (1e-6); the bytes of every storage
+    the second run freed."""
     monkeypatch.setattr(offload_attention, "ChunkStore", _EmulatedHost)
     monkeypatch.setattr(layer_checkpoint, "HOST_MIN_BYTES", 1024)
     host = _EmulatedHost(None)
@@ -146,26 +144,36 @@ def test_what_a_users_hook_keeps_of_a_recomputed_layer_is_never_freed(monkeypatc
                                                                                                       host.fetch))
     features = memory.MemoryFeatures(tiled_mlp=3, offload_checkpoints=True, ulysses_offload=True)
     reference_loss, reference, _ = _train_step("llama", features)
-    released = []
+    released: list[int] = []
     monkeypatch.setattr(_compat, "STORAGE_RELEASED", [*_compat.STORAGE_RELEASED,
                                                       lambda key, nbytes: released.append(nbytes)])
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        loss, grads, _ = _train_step("llama", features)
+    finally:
+        handle.remove()
+    assert abs(loss - reference_loss) <= 1e-6
+    worst = max(float((g - p).abs().max() / p.abs().max().clamp_min(1e-12)) for g, p in zip(grads, reference))
+    assert worst <= 1e-6, worst
+    return released
+
+
+def test_what_a_users_hook_keeps_of_a_recomputed_layer_is_never_freed(monkeypatch):
+    """The same CUDA paths emulated, with a forward hook on every layer's first norm that keeps its input (in the
+    recompute: the layer's input as this checkpoint fetched it from the host, whose storage it frees when nothing else
+    holds it): nothing a hook holds is freed or changed (the layer is given an alias of the checkpoint's own copy, so
+    the hook's tensor shows as a second view of the storage), so 3 fewer storages are freed; the loss and gradients
+    stay the same (1e-6)."""
     kept = []
 
     def keep(module, args, output):
         if type(module).__name__.endswith("RMSNorm") and module.weight.shape == (64,):
             kept.append((args[0], args[0].detach().clone()))
 
-    handle = torch.nn.modules.module.register_module_forward_hook(keep)
-    try:
-        loss, grads, _ = _train_step("llama", features)
-    finally:
-        handle.remove()
+    released = _trained_with_a_users_hook(monkeypatch, keep)
     assert len(kept) >= 3 * 2  # each layer's first norm in the first forward and the recompute (and the final norm)
     assert all(t.untyped_storage().nbytes() > 0 and torch.equal(t, copy) for t, copy in kept)
     assert released.count(2 * 40 * 64 * 4) == 3 * 2, released  # outputs and parked gradients (without the hook: 9)
-    assert abs(loss - reference_loss) <= 1e-6
-    worst = max(float((g - p).abs().max() / p.abs().max().clamp_min(1e-12)) for g, p in zip(grads, reference))
-    assert worst <= 1e-6, worst
 
 
 def test_a_gradient_a_users_tensor_hook_keeps_is_not_parked(monkeypatch):
@@ -173,33 +181,16 @@ def test_a_gradient_a_users_tensor_hook_keeps_is_not_parked(monkeypatch):
     gradient monitors do): that gradient, which the layer's backward would park in host memory and free on the
     device, stays whole (its references counted against an engine-held gradient's, measured once per process), so 3
     fewer storages are freed (the output's own, the layers below); loss and gradients as before (1e-6)."""
-    monkeypatch.setattr(offload_attention, "ChunkStore", _EmulatedHost)
-    monkeypatch.setattr(layer_checkpoint, "HOST_MIN_BYTES", 1024)
-    host = _EmulatedHost(None)
-    monkeypatch.setattr(memory, "_offload_to_host", lambda: torch.autograd.graph.saved_tensors_hooks(host.put,
-                                                                                                      host.fetch))
-    features = memory.MemoryFeatures(tiled_mlp=3, offload_checkpoints=True, ulysses_offload=True)
-    reference_loss, reference, _ = _train_step("llama", features)
-    released = []
-    monkeypatch.setattr(_compat, "STORAGE_RELEASED", [*_compat.STORAGE_RELEASED,
-                                                      lambda key, nbytes: released.append(nbytes)])
     kept = []
 
     def keep(module, args, output):
         if type(module).__name__.endswith("DecoderLayer"):
             output.register_hook(lambda grad: kept.append((grad, grad.clone())))
 
-    handle = torch.nn.modules.module.register_module_forward_hook(keep)
-    try:
-        loss, grads, _ = _train_step("llama", features)
-    finally:
-        handle.remove()
+    released = _trained_with_a_users_hook(monkeypatch, keep)
     assert len(kept) == 3
     assert all(g.untyped_storage().nbytes() > 0 and torch.equal(g, copy) for g, copy in kept)
     assert released.count(2 * 40 * 64 * 4) == 3 * 2, released  # inputs and outputs (without the hook: 9)
-    assert abs(loss - reference_loss) <= 1e-6
-    worst = max(float((g - p).abs().max() / p.abs().max().clamp_min(1e-12)) for g, p in zip(grads, reference))
-    assert worst <= 1e-6, worst
 
 
 def test_a_tensor_anything_else_references_is_not_freed(monkeypatch):
